@@ -1,0 +1,48 @@
+"""One engine config, built from `tandem serve` flags and handed whole to every EngineCore process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    role: Role = "both"
+    # Model limits; None means "from the model's config".
+    max_model_len: int | None = None
+    # Cache
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_gib (tests use it to force preemption)
+    enable_prefix_caching: bool = True
+    # Scheduler
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Parallel
+    data_parallel_size: int = 1
+    num_threads: int | None = None  # torch threads per EngineCore; None: all cores / DP size
+    # KV transfer (P/D)
+    kv_side_channel_port: int = 5600
+    kv_host: str = "127.0.0.1"
+    kv_lease_seconds: float = 30.0
+    kv_failure_policy: Literal["fail", "recompute"] = "fail"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Start-up
+    ready_timeout_s: float = 600.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def threads_per_engine(self) -> int:
+        if self.num_threads:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.data_parallel_size)

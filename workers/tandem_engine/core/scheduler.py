@@ -1,0 +1,217 @@
+"""Continuous batching with one token budget for prefill and decode (vLLM v1's unified scheduler).
+
+A step is a map {request: number of tokens to compute}. Running requests go first; when blocks run
+out the newest running request is preempted (recompute) and nothing new is admitted in that step.
+Waiting requests are admitted in order with prefix-cache hits and chunked to the remaining budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tandem_engine.core.kv_cache_manager import KVCacheManager
+from tandem_engine.protocol import EngineCoreOutput, Logprobs, SchedulerStats
+from tandem_engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # computed tokens before this step = position of the first scheduled token
+    num_tokens: int
+    block_ids: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests finished outside update_from_output (aborts) whose final output is still owed.
+        self._finished_outputs: list[EngineCoreOutput] = []
+
+    # -- intake -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests in any state (waiting, running, preempted); unknown ids are ignored."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            req.status = status
+            self.kv.free(req)
+            self._finished_outputs.append(
+                EngineCoreOutput(rid, [], finish_reason=status.finish_reason,
+                                 num_cached_tokens=max(req.num_cached_tokens, 0))
+            )
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self.requests) or bool(self._finished_outputs)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget,
+                    self.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            self._add_scheduled(out, req, n)
+            budget -= n
+            i += 1
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_scheduled(out, req, n)
+            budget -= n
+
+        assert budget >= 0 and len(self.running) <= self.max_num_seqs
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(
+            ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id),
+                             sample=start + n >= req.num_tokens)
+        )
+        out.num_scheduled_tokens += n
+        # Advanced now so the next chunk can be planned; the KV is written by this step's forward.
+        req.num_computed_tokens = start + n
+
+    def _preempt(self, req: Request) -> None:
+        logger.debug("preempting %s", req.request_id)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results ------------------------------------------------------------------------------
+    def update_from_output(
+        self, sched: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[EngineCoreOutput]:
+        outputs = self._finished_outputs
+        self._finished_outputs = []
+        for item in sched.scheduled:
+            req = item.request
+            if not item.sample or req.status is not RequestStatus.RUNNING:
+                continue  # a partial prefill chunk, or finished (aborted) during the step
+            tok = sampled[req.request_id]
+            req.append_output_token(tok.token_id)
+            status = self._check_stop(req, tok.token_id)
+            logprobs = None
+            if tok.logprob is not None:
+                logprobs = Logprobs([tok.logprob], [tok.top_ids or []], [tok.top_logprobs or []])
+            output = EngineCoreOutput(req.request_id, [tok.token_id], logprobs,
+                                      num_cached_tokens=req.num_cached_tokens)
+            if status is not None:
+                req.status = status
+                output.finish_reason = status.finish_reason
+                output.stop_reason = req.stop_reason
+                self._free_finished(req)
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in sp.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _free_finished(self, req: Request) -> None:
+        self.running.remove(req)
+        del self.requests[req.request_id]
+        self.kv.free(req)
+
+    def stats(self) -> SchedulerStats:
+        queries, hits = self.kv.take_prefix_stats()
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+        )
