@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Triton paged-attention kernels for the KV cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Three kernels:
@@ -12,7 +13,8 @@ Three kernels:
 
 The design follows vLLM's unified attention; the code is tandem's own. This module imports triton at
 import time: only `triton_backend` imports it, lazily. Whether the kernels are compiled or interpreted
-(`TRITON_INTERPRET=1`, CPU tensors) is fixed when this module is first imported.
+(`TRITON_INTERPRET=1`, CPU tensors) is fixed when this module is first imported. Kernel parameters are untyped by triton convention
+(pointers, strides, constexprs), hence the mypy line above; the Python wrappers are annotated.
 """
 
 from __future__ import annotations
