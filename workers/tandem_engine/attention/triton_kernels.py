@@ -13,8 +13,8 @@ Three kernels:
 
 The design follows vLLM's unified attention; the code is tandem's own. This module imports triton at
 import time: only `triton_backend` imports it, lazily. Whether the kernels are compiled or interpreted
-(`TRITON_INTERPRET=1`, CPU tensors) is fixed when this module is first imported. Kernel parameters are untyped by triton convention
-(pointers, strides, constexprs), hence the mypy line above; the Python wrappers are annotated.
+(`TRITON_INTERPRET=1`, CPU tensors) is fixed when this module is first imported. Kernel parameters
+are untyped by triton convention (pointers, strides, constexprs), hence the mypy line above.
 """
 
 from __future__ import annotations
