@@ -1,0 +1,156 @@
+"""A test upstream: a tiny OpenAI-compatible HTTP server that stands in for an engine in router tests.
+
+It is a real server on a real socket (aiohttp), deterministic, and observable: it records every request
+it received and every request whose client (the router) went away. Knobs make it slow, make it answer
+an error status, make it cut a stream off, or make it act as a prefill engine. Run it as a process with
+`python -m tests.router.upstream --port N --name X` to be killed for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class TestUpstream:
+    __test__ = False  # not a pytest class
+
+    name: str = "up"
+    tokens: int = 4  # tokens per answer unless max_tokens is smaller
+    token_delay: float = 0.0
+    status: int = 200  # answer this status (with an OpenAI error body) instead of generating
+    cut_after: int | None = None  # close the connection abruptly after this many streamed tokens
+    healthy: bool = True
+    seen: list[Seen] = field(default_factory=list)
+    disconnected: list[str] = field(default_factory=list)  # X-Request-Ids whose client went away
+    finished: list[str] = field(default_factory=list)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def text(self, n: int) -> list[str]:
+        return [f" {self.name}-{i}" for i in range(n)]
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rid = request.headers.get("X-Request-Id", "")
+        self.seen.append(Seen(request.path, body, {k.lower(): v for k, v in request.headers.items()}))
+        if self.status != 200:
+            err = {"error": {"message": f"{self.name} says {self.status}", "type": "x", "param": None,
+                             "code": self.status}}
+            return web.json_response(err, status=self.status)
+        chat = request.path.endswith("chat/completions")
+        n = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
+        pieces = self.text(n)
+        kv_in = body.get("kv_transfer_params") or {}
+        kv_out = None
+        if kv_in.get("do_remote_decode"):
+            kv_out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
+                      "remote_request_id": rid, "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
+                      "remote_port": 5600, "tp_size": 1}
+        usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            try:
+                await asyncio.sleep(self.token_delay * n)
+            except asyncio.CancelledError:
+                self.disconnected.append(rid)
+                raise
+            text = "".join(pieces)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            out = {"id": f"cmpl-{rid}", "object": obj, "created": int(time.time()), "model": body.get("model"),
+                   "choices": [choice], "usage": usage, "kv_transfer_params": kv_out}
+            self.finished.append(rid)
+            return web.json_response(out)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i, piece in enumerate(pieces):
+                if self.cut_after is not None and i >= self.cut_after:
+                    assert request.transport is not None
+                    request.transport.abort()  # like a killed process: no terminating chunk
+                    return resp
+                await asyncio.sleep(self.token_delay)
+                delta: dict[str, Any] = {"index": 0, "finish_reason": None}
+                if chat:
+                    delta["delta"] = {"content": piece}
+                else:
+                    delta["text"] = piece
+                chunk = {"id": f"cmpl-{rid}", "object": obj + ".chunk", "created": 0,
+                         "model": body.get("model"), "choices": [delta]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunk = {"id": f"cmpl-{rid}", "object": obj + ".chunk", "created": 0,
+                         "model": body.get("model"), "choices": [], "usage": usage}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.append(rid)
+            raise
+        self.finished.append(rid)
+        return resp
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "test-model", "object": "model",
+                                                              "owned_by": self.name}]})
+
+    async def start(self, port: int = 0) -> TestUpstream:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        assert site._server is not None
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{bound}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--name", default="up")
+    p.add_argument("--tokens", type=int, default=4)
+    p.add_argument("--token-delay", type=float, default=0.0)
+    a = p.parse_args()
+
+    async def run() -> None:
+        up = await TestUpstream(name=a.name, tokens=a.tokens, token_delay=a.token_delay).start(a.port)
+        print(f"ready {up.url}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

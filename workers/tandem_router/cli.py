@@ -1,0 +1,123 @@
+"""`tandem route`: flags -> RouterConfig -> serve until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+from tandem_router.config import RouterConfig
+from tandem_router.policies import POLICIES
+from tandem_router.server import start_server
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def _urls(value: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="tandem route", description="Route OpenAI requests to tandem engines.")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--decode", type=_urls, default=[], help="decode (or colocated) engine URLs, comma-separated")
+    p.add_argument("--prefill", type=_urls, default=[], help="prefill engine URLs; enables the P/D flow")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="policy for both pools")
+    p.add_argument("--decode-policy", choices=POLICIES, default=None)
+    p.add_argument("--prefill-policy", choices=POLICIES, default=None)
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default=d.discovery)
+    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", d.namespace))
+    p.add_argument("--decode-selector", default="", help="EndpointSlice label selector of the decode pool")
+    p.add_argument("--prefill-selector", default="", help="EndpointSlice label selector of the prefill pool")
+    p.add_argument("--port-name", default=d.port_name, help="EndpointSlice port name to use")
+    p.add_argument("--target-port", type=int, default=d.target_port, help="port when a slice names none")
+    p.add_argument("--kubeconfig", default=None)
+    p.add_argument("--api-key", default=None, help=f"require this Bearer key (or set ${API_KEY_ENV})")
+    p.add_argument("--session-header", default=d.session_header)
+    p.add_argument("--remote-prefill-threshold", type=int, default=d.remote_prefill_threshold,
+                   help="decode prefills locally when at most this many prompt tokens are uncached there")
+    p.add_argument("--load-factor", type=float, default=d.load_factor,
+                   help="bounded load: an endpoint takes at most this times the mean in-flight requests")
+    p.add_argument("--block-chars", type=int, default=d.block_chars)
+    p.add_argument("--index-capacity-blocks", type=int, default=d.index_capacity_blocks)
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    p.add_argument("--health-interval", type=float, default=d.health_interval, help="0 disables")
+    p.add_argument("--health-failures", type=int, default=d.health_failures)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(argv: list[str]) -> RouterConfig:
+    a = build_parser().parse_args(argv)
+    if a.discovery == "static" and not a.decode:
+        raise SystemExit("tandem route: --decode URL[,URL...] is required with static discovery")
+    if a.discovery == "kubernetes" and not a.decode_selector:
+        raise SystemExit("tandem route: --decode-selector is required with kubernetes discovery")
+    return RouterConfig(
+        host=a.host,
+        port=a.port,
+        decode_urls=a.decode,
+        prefill_urls=a.prefill,
+        decode_policy=a.decode_policy or a.policy or RouterConfig.decode_policy,
+        prefill_policy=a.prefill_policy or a.policy or RouterConfig.prefill_policy,
+        discovery=a.discovery,
+        namespace=a.namespace,
+        decode_selector=a.decode_selector,
+        prefill_selector=a.prefill_selector,
+        port_name=a.port_name,
+        target_port=a.target_port,
+        kubeconfig=a.kubeconfig,
+        api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
+        session_header=a.session_header.lower(),
+        remote_prefill_threshold=a.remote_prefill_threshold,
+        load_factor=a.load_factor,
+        block_chars=a.block_chars,
+        index_capacity_blocks=a.index_capacity_blocks,
+        max_attempts=a.max_attempts,
+        connect_timeout=a.connect_timeout,
+        read_timeout=a.read_timeout,
+        request_timeout=a.request_timeout,
+        health_interval=a.health_interval,
+        health_failures=a.health_failures,
+    )
+
+
+async def serve(config: RouterConfig) -> None:
+    runner, port = await start_server(config)
+    print(f"tandem router listening on http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("[shutdown] stopping the router")
+        await runner.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    log_level = "INFO"
+    if "--log-level" in argv:
+        log_level = argv[argv.index("--log-level") + 1]
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(argv)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but the router works without it
+        runner = asyncio.run
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(serve(config))
+    return 0

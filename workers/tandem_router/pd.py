@@ -1,0 +1,104 @@
+"""The prefill -> decode flow (DESIGN.md section 4), decided per request.
+
+The decode endpoint is picked first, so the router knows how much of the prompt that endpoint already
+holds. When the uncached part is short (at most `remote_prefill_threshold` tokens), or no prefill
+endpoint is healthy, decode prefills locally. Otherwise a prefill endpoint computes the prompt with
+`max_tokens=1` and returns `kv_transfer_params`, which go to decode with the original request. A prefill
+that fails or returns no params falls back to local prefill: the client still gets its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from tandem_router.hashing import CHARS_PER_TOKEN
+from tandem_router.policies import RoutingRequest
+from tandem_router.proxy import NoEndpoint, Upstream, open_upstream
+from tandem_router.request import ParsedRequest, prefill_body
+
+if TYPE_CHECKING:
+    from tandem_router.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+class ClientErrorFromPrefill(Exception):
+    """Prefill rejected the request itself (4xx): the client gets that answer, decode is not tried."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+async def run_prefill(
+    router: Router, path: str, req: ParsedRequest, rreq: RoutingRequest, headers: dict[str, str]
+) -> dict[str, Any] | None:
+    """The prefill leg; returns the `kv_transfer_params` to hand to decode, or None to prefill locally."""
+    payload = json.dumps(prefill_body(req)).encode()
+    t0 = time.perf_counter()
+    try:
+        up: Upstream = await open_upstream(
+            router, router.prefill, path, payload, rreq, headers, tokens=rreq.prompt_tokens
+        )
+    except NoEndpoint as e:
+        logger.warning("remote prefill failed, decode prefills locally: %s", e)
+        return None
+    try:
+        body = await up.resp.read()
+        status = up.resp.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        logger.warning("prefill endpoint %s failed mid-answer, decode prefills locally: %s", up.endpoint.url, e)
+        return None
+    finally:
+        up.close()
+    router.metrics.prefill_latency.labels(up.endpoint.url).observe(time.perf_counter() - t0)
+    if 400 <= status < 500:
+        raise ClientErrorFromPrefill(status, body)
+    if status != 200:
+        logger.warning("prefill endpoint %s answered %s, decode prefills locally", up.endpoint.url, status)
+        return None
+    try:
+        params = json.loads(body).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) else None
+
+
+async def open_pd(
+    router: Router,
+    path: str,
+    req: ParsedRequest,
+    rreq: RoutingRequest,
+    headers: dict[str, str],
+    t_start: float,
+) -> Upstream:
+    decode = router.decode
+    candidates = sorted(decode.healthy(), key=lambda e: e.url)
+    if not candidates:
+        raise NoEndpoint("no healthy decode endpoint")
+    d = router.choose(decode, candidates, rreq)
+    cached_tokens = d.matched_blocks * router.config.block_chars // CHARS_PER_TOKEN
+    uncached = max(0, rreq.prompt_tokens - cached_tokens)
+    metrics = router.metrics
+    if uncached <= router.config.remote_prefill_threshold:
+        metrics.pd_decisions.labels("local_short_uncached").inc()
+        return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)
+    if not router.prefill.healthy():
+        metrics.pd_decisions.labels("local_no_prefill").inc()
+        return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)
+    metrics.overhead.observe(time.perf_counter() - t_start)
+    params = await run_prefill(router, path, req, rreq, headers)
+    if params is None:
+        metrics.pd_decisions.labels("local_fallback").inc()
+        return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d)
+    metrics.pd_decisions.labels("remote").inc()
+    body = dict(req.body)
+    body["kv_transfer_params"] = params
+    return await open_upstream(router, decode, path, json.dumps(body).encode(), rreq, headers, first=d)

@@ -1,0 +1,162 @@
+"""Routing policies: pick one endpoint of a pool for a request.
+
+Every policy sees only healthy candidates not yet tried for this request, and the pool's prefix index.
+Load is what the router itself counts at dispatch (in-flight requests and tokens), so it is exact for a
+single router replica and needs no scraping.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from tandem_router.hashing import HashRing, hash64
+from tandem_router.pool import Endpoint
+from tandem_router.prefix_index import PrefixIndex
+
+
+@dataclass
+class RoutingRequest:
+    block_hashes: list[int]
+    prompt_tokens: int  # estimated
+    max_tokens: int
+    session: str | None = None
+
+    @property
+    def load_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass
+class Decision:
+    endpoint: Endpoint
+    reason: str  # round_robin | least_load | prefix_hit | cold_hash | overflow | session
+    matched_blocks: int = 0
+    matches: dict[str, int] = field(default_factory=dict, repr=False)
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    def choose(self, candidates: list[Endpoint], req: RoutingRequest, index: PrefixIndex) -> Decision:
+        """`candidates` is non-empty and sorted by URL."""
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: list[Endpoint], req: RoutingRequest, index: PrefixIndex) -> Decision:
+        ep = candidates[self._next % len(candidates)]
+        self._next += 1
+        return Decision(ep, "round_robin")
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: list[Endpoint], req: RoutingRequest, index: PrefixIndex) -> Decision:
+        # Rotate the start so that ties do not always land on the first URL.
+        n = len(candidates)
+        start = self._next % n
+        self._next += 1
+        rotated = candidates[start:] + candidates[:start]
+        ep = min(rotated, key=lambda e: (e.in_flight_requests, e.in_flight_tokens))
+        return Decision(ep, "least_load")
+
+
+def load_bound(candidates: list[Endpoint], load_factor: float) -> int:
+    """Consistent hashing with bounded loads: an endpoint may take a request while its in-flight count,
+    including this request, is at most `load_factor` times the mean."""
+    total = sum(e.in_flight_requests for e in candidates) + 1
+    return max(1, math.ceil(load_factor * total / len(candidates)))
+
+
+class _RingMixin:
+    def __init__(self, vnodes: int) -> None:
+        self._ring = HashRing(vnodes)
+
+    def _ring_pick(self, candidates: list[Endpoint], key: int, bound: int) -> Endpoint:
+        self._ring.set_members({e.url for e in candidates})
+        by_url = {e.url: e for e in candidates}
+        first: Endpoint | None = None
+        for url in self._ring.walk(key):
+            ep = by_url[url]
+            first = first or ep
+            if ep.in_flight_requests + 1 <= bound:
+                return ep
+        assert first is not None
+        return first
+
+
+class PrefixAware(_RingMixin, Policy):
+    """Longest recorded prefix wins among endpoints under the load bound; a prefix seen nowhere goes to
+    its place on a consistent-hash ring (keyed by its first `cold_key_blocks` blocks), so replicas
+    without shared state agree; prompts shorter than one block go to the least loaded endpoint."""
+
+    name = "prefix-aware"
+
+    def __init__(self, load_factor: float = 1.25, cold_key_blocks: int = 8, vnodes: int = 64) -> None:
+        super().__init__(vnodes)
+        self.load_factor = load_factor
+        self.cold_key_blocks = cold_key_blocks
+        self._fallback = LeastLoad()
+
+    def choose(self, candidates: list[Endpoint], req: RoutingRequest, index: PrefixIndex) -> Decision:
+        hashes = req.block_hashes
+        if not hashes:
+            return self._fallback.choose(candidates, req, index)
+        matches = index.match(hashes)
+        bound = load_bound(candidates, self.load_factor)
+        eligible = [e for e in candidates if e.in_flight_requests + 1 <= bound] or candidates
+        best = max(eligible, key=lambda e: (matches.get(e.url, 0), -e.in_flight_requests))
+        best_blocks = matches.get(best.url, 0)
+        if best_blocks > 0:
+            top = max(matches.values(), default=0)
+            reason = "prefix_hit" if best_blocks == top else "overflow"
+            return Decision(best, reason, best_blocks, matches)
+        key = hashes[min(len(hashes), self.cold_key_blocks) - 1]
+        ep = self._ring_pick(candidates, key, bound)
+        reason = "overflow" if matches else "cold_hash"
+        return Decision(ep, reason, matches.get(ep.url, 0), matches)
+
+
+class SessionAffinity(_RingMixin, Policy):
+    """Requests carrying the session header go to the session's place on the ring (bounded by load);
+    the others are balanced by least load."""
+
+    name = "session-affinity"
+
+    def __init__(self, load_factor: float = 1.25, vnodes: int = 64) -> None:
+        super().__init__(vnodes)
+        self.load_factor = load_factor
+        self._fallback = LeastLoad()
+
+    def choose(self, candidates: list[Endpoint], req: RoutingRequest, index: PrefixIndex) -> Decision:
+        if req.session is None:
+            return self._fallback.choose(candidates, req, index)
+        bound = load_bound(candidates, self.load_factor)
+        ep = self._ring_pick(candidates, hash64(req.session.encode()), bound)
+        return Decision(ep, "session")
+
+
+POLICIES = ("round-robin", "least-load", "prefix-aware", "session-affinity")
+
+
+def make_policy(name: str, load_factor: float = 1.25, cold_key_blocks: int = 8) -> Policy:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    if name == "prefix-aware":
+        return PrefixAware(load_factor=load_factor, cold_key_blocks=cold_key_blocks)
+    if name == "session-affinity":
+        return SessionAffinity(load_factor=load_factor)
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -1,0 +1,116 @@
+"""What the router reads from an OpenAI request body: the prompt text for hashing and load estimates.
+
+The body is parsed once; the router forwards the client's bytes unchanged when it does not need to
+rewrite them (colocated mode, or decode without remote prefill).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tandem_router.hashing import block_hashes, estimate_tokens
+from tandem_router.policies import RoutingRequest
+
+Kind = Literal["completions", "chat"]
+DEFAULT_MAX_TOKENS = 256  # load estimate when the client sets none
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ParsedRequest:
+    kind: Kind
+    raw: bytes
+    body: dict[str, Any]
+    prompt_text: str
+    prompt_tokens: int
+    max_tokens: int
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else json.dumps(content, sort_keys=True)
+
+
+def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    tokens: int | None = None
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise BadRequest("'messages' must be a list", "messages")
+        # The role and content of every message, in order: what the chat template renders, minus markup.
+        text = "".join(
+            f"<{m.get('role', '')}>{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
+        )
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]  # a batch of token-id prompts: route by the first
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text = ",".join(map(str, prompt)) + ","
+            tokens = len(prompt)
+        else:
+            raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+        max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or max_tokens < 0:
+        max_tokens = DEFAULT_MAX_TOKENS
+    return ParsedRequest(
+        kind=kind,
+        raw=raw,
+        body=body,
+        prompt_text=text,
+        prompt_tokens=tokens if tokens is not None else estimate_tokens(text),
+        max_tokens=max_tokens,
+    )
+
+
+def routing_request(
+    req: ParsedRequest, block_chars: int, max_blocks: int, session: str | None
+) -> RoutingRequest:
+    # The model name seeds the chain: two models never share cache blocks.
+    hashes = block_hashes(req.prompt_text, block_chars, max_blocks, seed=str(req.body.get("model", "")))
+    return RoutingRequest(hashes, req.prompt_tokens, req.max_tokens, session)
+
+
+def prefill_body(req: ParsedRequest) -> dict[str, Any]:
+    """The request sent to a prefill engine (DESIGN.md section 4, step 1)."""
+    body = dict(req.body)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    for key in ("stream_options", "min_tokens", "n", "best_of"):
+        body.pop(key, None)
+    body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return body

@@ -1,0 +1,147 @@
+"""The router's HTTP surface: the engines' OpenAI API, plus /health, /metrics and optional API-key auth."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from tandem_router.config import RouterConfig
+from tandem_router.pd import ClientErrorFromPrefill, open_pd
+from tandem_router.policies import RoutingRequest
+from tandem_router.proxy import NoEndpoint, error_response, open_upstream, relay
+from tandem_router.request import BadRequest, Kind, parse_request, routing_request
+from tandem_router.router import Router
+
+logger = logging.getLogger(__name__)
+
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    {"error": {"message": "invalid or missing API key", "type": "invalid_request_error",
+                               "param": None, "code": "invalid_api_key"}},
+                    status=401,
+                )
+        return await handler(request)
+
+    return auth
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    cfg = router.config
+    t_start = time.perf_counter()
+    try:
+        parsed = parse_request(kind, await request.read())
+    except BadRequest as e:
+        return error_response(400, str(e), "invalid_request_error", e.param)
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    rreq = routing_request(parsed, cfg.block_chars, cfg.max_blocks, request.headers.get(cfg.session_header))
+    # Only what the engine needs crosses: no client Authorization (the engines know no API key).
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    route = request.path
+    try:
+        if router.pd_mode:
+            up = await open_pd(router, route, parsed, rreq, headers, t_start)
+        else:
+            up = await open_upstream(router, router.decode, route, parsed.raw, rreq, headers, t_start=t_start)
+    except NoEndpoint as e:
+        router.metrics.requests.labels(route, "", str(e.status)).inc()
+        return e.response()
+    except ClientErrorFromPrefill as e:
+        router.metrics.requests.labels(route, "", str(e.status)).inc()
+        return web.Response(body=e.body, status=e.status, content_type="application/json")
+    url = up.endpoint.url
+    resp = await relay(router, request, up, request_id, t_start)
+    router.metrics.requests.labels(route, url, str(resp.status)).inc()
+    router.metrics.latency.labels(url).observe(time.perf_counter() - t_start)
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Model list, tokenize, detokenize: answered by any healthy decode (or colocated) endpoint."""
+    router = request.app[ROUTER_KEY]
+    data = await request.read() if request.method == "POST" else None
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    try:
+        up = await open_upstream(router, router.decode, request.path, data or b"", RoutingRequest([], 0, 0),
+                                 headers, method=request.method)
+    except NoEndpoint as e:
+        return e.response()
+    return await relay(router, request, up, request.headers.get("X-Request-Id", ""), time.perf_counter())
+
+
+async def health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    body = {
+        "decode": {e.url: e.healthy for e in router.decode.endpoints.values()},
+        "prefill": {e.url: e.healthy for e in router.prefill.endpoints.values()},
+    }
+    status = 200 if router.decode.healthy() else 503
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    return web.Response(body=router.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def build_app(config: RouterConfig) -> web.Application:
+    middlewares = [_auth_middleware(config.api_key)] if config.api_key else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    router = Router(config)
+    app[ROUTER_KEY] = router
+
+    async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+        await router.start()
+        yield
+        await router.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", passthrough)
+    app.router.add_post("/tokenize", passthrough)
+    app.router.add_post("/detokenize", passthrough)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_server(config: RouterConfig) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (await `runner.cleanup()` to stop) and the bound port."""
+    app = build_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream legs.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    await site.start()
+    server = site._server
+    port = config.port
+    if server is not None and getattr(server, "sockets", None):
+        port = server.sockets[0].getsockname()[1]
+    return runner, port
