@@ -46,6 +46,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    # Seconds between arrival at the EngineCore and first scheduling; set on the first output only.
+    queue_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -63,6 +63,9 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list[int] = []
+        # Sampler state: the per-request torch.Generator of a seeded request (created lazily).
+        self.generator: Any = None
+        self.first_scheduled_time: float | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -8,6 +8,7 @@ Waiting requests are admitted in order with prefix-cache hits and chunked to the
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -147,6 +148,8 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
         out.scheduled.append(
             ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id),
                              sample=start + n >= req.num_tokens)
@@ -181,6 +184,8 @@ class Scheduler:
                 logprobs = Logprobs([tok.logprob], [tok.top_ids or []], [tok.top_logprobs or []])
             output = EngineCoreOutput(req.request_id, [tok.token_id], logprobs,
                                       num_cached_tokens=req.num_cached_tokens)
+            if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
+                output.queue_time = req.first_scheduled_time - req.arrival_time
             if status is not None:
                 req.status = status
                 output.finish_reason = status.finish_reason

@@ -1,0 +1,210 @@
+"""The EngineCore process: handshake, IO threads, and the busy loop.
+
+Main thread: drain the input queue (blocking only when idle), step, queue outputs. The input thread
+owns the DEALER socket (decodes requests, builds Request objects); the output thread owns the PUSH
+socket. A fatal error in the loop sends a dead sentinel so the frontend fails every stream at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from tandem_engine.config import EngineConfig
+from tandem_engine.protocol import (
+    EngineCoreOutputs,
+    FailedMessage,
+    ReadyMessage,
+    RequestType,
+    encoder,
+    request_decoder,
+)
+from tandem_engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+_WAKEUP = object()
+_PARENT_POLL_MS = 1000
+
+
+@dataclass
+class EngineAddresses:
+    input: str  # frontend ROUTER (bound): requests in
+    output: str  # frontend PULL (bound): outputs out
+    handshake: str  # frontend ROUTER (bound): READY / FAILED
+
+
+def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAddresses,
+                    log_level: int = logging.INFO) -> None:
+    """Process entry point (spawned by the core client)."""
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [EngineCore_{engine_index}] %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group; the frontend owns shutdown, so the engine ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import setproctitle  # type: ignore[import-not-found]
+
+        setproctitle.setproctitle(f"tandem::EngineCore_{engine_index}")
+    except ImportError:
+        pass
+    import torch
+
+    torch.set_num_threads(config.threads_per_engine())
+    ctx = zmq.Context(io_threads=2)
+    handshake = ctx.socket(zmq.DEALER)
+    handshake.setsockopt(zmq.LINGER, 5000)
+    handshake.connect(addresses.handshake)
+    proc: EngineCoreProc | None = None
+    try:
+        try:
+            proc = EngineCoreProc(config, engine_index, addresses, ctx)
+        except Exception as e:
+            logger.exception("[startup] engine %d failed to start", engine_index)
+            handshake.send(encoder.encode(FailedMessage(engine_index, f"{type(e).__name__}: {e}")))
+            raise SystemExit(1) from e
+        handshake.send(encoder.encode(proc.ready_message()))
+        handshake.close()
+        proc.run_busy_loop()
+    finally:
+        if proc is not None:
+            proc.shutdown()
+        ctx.term()
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, engine_index: int, addresses: EngineAddresses,
+                 ctx: zmq.Context[Any]) -> None:
+        from tandem_engine.core.engine_core import EngineCore
+
+        self.engine_index = engine_index
+        self.core = EngineCore(config, engine_index)
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self._shutdown = threading.Event()
+        self._draining = False
+        self._parent = os.getppid()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._input_thread = threading.Thread(target=self._input_loop, args=(ctx, addresses.input),
+                                              name="EngineCoreInput", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, args=(ctx, addresses.output),
+                                               name="EngineCoreOutput", daemon=True)
+        self._input_ready = threading.Event()
+        self._input_thread.start()
+        self._output_thread.start()
+        self._input_ready.wait(10)
+
+    def ready_message(self) -> ReadyMessage:
+        return ReadyMessage(self.engine_index, self.core.runner.num_blocks, self.core.config.block_size,
+                            self.core.max_model_len, os.getpid(),
+                            startup_seconds=self.core.startup_seconds)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only set flags and wake the loop: the loop drains live requests, then exits.
+        self._draining = True
+        self._shutdown.set()
+        self.input_queue.put(_WAKEUP)
+
+    # -- busy loop ----------------------------------------------------------------------------
+    def run_busy_loop(self) -> None:
+        try:
+            while True:
+                self._process_input_queue()
+                if self._shutdown.is_set() and not (self._draining and self.core.has_requests):
+                    logger.info("[shutdown] engine %d leaving the busy loop", self.engine_index)
+                    return
+                if self.core.has_requests:
+                    outputs = self.core.step()
+                    self.output_queue.put(EngineCoreOutputs(
+                        self.engine_index, outputs, self.core.stats(), time.time()))
+        except Exception as e:
+            logger.exception("[fatal] EngineCore %d died", self.engine_index)
+            dead = EngineCoreOutputs(self.engine_index, [], None, time.time(),
+                                     dead_error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            self.output_queue.put(dead)
+            self.output_queue.put(None)
+            self._output_thread.join(5)
+            raise SystemExit(1) from e
+
+    def _process_input_queue(self) -> None:
+        block = not self.core.has_requests and not self._shutdown.is_set()
+        while True:
+            try:
+                item = self.input_queue.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is _WAKEUP:
+                continue
+            kind, payload = item
+            if kind == RequestType.ADD:
+                if self._draining:
+                    self.core.add_request(payload)
+                    self.core.abort_requests([payload.request_id])
+                else:
+                    self.core.add_request(payload)
+            elif kind == RequestType.ABORT:
+                self.core.abort_requests(payload)
+            elif kind == RequestType.SHUTDOWN:
+                self._draining = bool(payload)
+                self._shutdown.set()
+                if not self._draining:
+                    self.core.abort_requests(list(self.core.scheduler.requests))
+                    self.output_queue.put(EngineCoreOutputs(
+                        self.engine_index, self.core.step(), self.core.stats(), time.time()))
+
+    # -- IO threads ---------------------------------------------------------------------------
+    def _input_loop(self, ctx: zmq.Context[Any], address: str) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.engine_index.to_bytes(2, "little"))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(b"")  # registers our identity with the frontend's ROUTER before READY
+        self._input_ready.set()
+        abort_decoder = msgspec.msgpack.Decoder(list[str])
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._shutdown.is_set() or self._draining:
+            if not poller.poll(_PARENT_POLL_MS):
+                if os.getppid() != self._parent:
+                    logger.warning("[shutdown] frontend process is gone; exiting")
+                    self.input_queue.put((RequestType.SHUTDOWN, False))
+                    return
+                continue
+            kind_b, payload = sock.recv_multipart()
+            kind = RequestType(kind_b[0])
+            if kind == RequestType.ADD:
+                self.input_queue.put((kind, Request.from_engine_core_request(request_decoder.decode(payload))))
+            elif kind == RequestType.ABORT:
+                self.input_queue.put((kind, abort_decoder.decode(payload)))
+            elif kind == RequestType.SHUTDOWN:
+                self.input_queue.put((kind, msgspec.msgpack.decode(payload)))
+        sock.close()
+
+    def _output_loop(self, ctx: zmq.Context[Any], address: str) -> None:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 5000)  # the dead sentinel must get out before exit
+        sock.connect(address)
+        buf = bytearray()
+        while True:
+            item = self.output_queue.get()
+            if item is None:
+                break
+            encoder.encode_into(item, buf)
+            sock.send(buf, copy=True)
+        sock.close()
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+        self._draining = False
+        self.output_queue.put(None)
+        self._output_thread.join(5)

@@ -1,0 +1,160 @@
+"""AsyncLLM: the async frontend of one engine (input processor, output processor, core client)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tandem_engine.config import EngineConfig
+from tandem_engine.frontend.core_client import CoreClient
+from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
+from tandem_engine.frontend.metrics import EngineMetrics
+from tandem_engine.frontend.output_processor import OutputProcessor
+from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+from tandem_engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from tandem_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM(EngineClient):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        src = resolve_model(config.model)
+        self.hf_config, self.tokenizer, self.generation_config = load_config_and_tokenizer(src)
+        self.model_name = config.served_model_name or src.served_name
+        self.eos_token_ids = self._eos_ids()
+        self.metrics = EngineMetrics(self.model_name)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.core = CoreClient(config, self._on_outputs, self._on_dead)
+        self.max_model_len = 0
+        self._dead: BaseException | None = None
+        self._draining = False
+        self._started = False
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for src in (self.generation_config.get("eos_token_id"), getattr(self.hf_config, "eos_token_id", None),
+                    self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list):
+                ids.update(src)
+        return sorted(ids)
+
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        await self.core.start()
+        self.max_model_len = self.core.max_model_len
+        self._started = True
+        logger.info("[startup] %d engine(s) ready in %.1fs", len(self.core.procs), time.perf_counter() - t0)
+
+    async def shutdown(self, drain: bool = True) -> None:
+        self._draining = True
+        await self.core.shutdown(drain=drain)
+
+    def begin_drain(self) -> None:
+        self._draining = True
+
+    # -- EngineClient -------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._started and self._dead is None and not self._draining
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt))
+        except Exception as e:  # jinja errors on malformed messages
+            raise RequestError(f"could not apply the chat template: {e}", "messages") from e
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        if self._draining:
+            raise EngineDeadError("the engine is shutting down")
+        self._validate(prompt_token_ids, params)
+        if request_id in self.output_processor.states:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        # Room left in the context caps max_tokens (finish_reason "length").
+        room = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens > room:
+            params = SamplingParams(**{**_struct_dict(params), "max_tokens": room})
+        q = self.output_processor.add_request(request_id, len(prompt_token_ids), params)
+        req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
+                                kv_transfer_params)
+        finished = False
+        try:
+            await self.core.add_request(req)
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self.output_processor.remove(request_id):
+                # Client gone (task cancelled / generator closed) or failure: free it in the engine.
+                await self._abort_quietly([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        if self.output_processor.remove(request_id):
+            await self._abort_quietly([request_id])
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(prompt_token_ids)} tokens", "prompt")
+        vocab = int(getattr(self.hf_config, "vocab_size", 0)) or None
+        if vocab is not None and any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+
+    async def _abort_quietly(self, request_ids: list[str]) -> None:
+        try:
+            await self.core.abort(request_ids)
+        except EngineDeadError:
+            pass
+
+    # -- callbacks from the core client -------------------------------------------------------
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self.output_processor.process(outputs)
+        if self.output_processor.to_abort:
+            ids, self.output_processor.to_abort = self.output_processor.to_abort, []
+            asyncio.get_running_loop().create_task(self._abort_quietly(ids))
+
+    def _on_dead(self, message: str) -> None:
+        self._dead = EngineDeadError(message)
+        self.output_processor.fail_all(self._dead)
+
+
+def _struct_dict(params: SamplingParams) -> dict[str, Any]:
+    return {f: getattr(params, f) for f in params.__struct_fields__}

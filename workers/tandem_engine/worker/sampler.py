@@ -1,0 +1,113 @@
+"""Turns the logits at each request's last position into the next token (and its logprobs).
+
+Order, as vLLM: raw logprobs first, then min_tokens masking and penalties, temperature, min-p, top-k,
+top-p, and sampling by argmax of probs / Exp(1) noise (a per-request generator when seeded).
+A batch where every request is greedy without penalties or logprobs is one argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem_engine.core.scheduler import SampledToken
+from tandem_engine.request import Request
+
+
+def _needs_penalties(req: Request) -> bool:
+    sp = req.sampling_params
+    return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1.0
+
+
+def _needs_min_tokens_mask(req: Request) -> bool:
+    sp = req.sampling_params
+    return req.num_output_tokens < sp.min_tokens
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
+        # logits: [num_reqs, vocab] float32
+        if all(r.sampling_params.greedy and r.sampling_params.logprobs is None
+               and not _needs_penalties(r) and not _needs_min_tokens_mask(r) for r in reqs):
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+        return self._sample_general(logits, reqs)
+
+    def _sample_general(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
+        logits = logits.float()
+        want_logprobs = [r.sampling_params.logprobs is not None for r in reqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            if _needs_min_tokens_mask(r):
+                banned = list(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if _needs_penalties(r):
+                self._apply_penalties(logits[i], r)
+
+        greedy = torch.tensor([r.sampling_params.greedy for r in reqs])
+        temps = torch.tensor([1.0 if r.sampling_params.greedy else r.sampling_params.temperature
+                              for r in reqs], dtype=logits.dtype)
+        scaled = logits / temps.unsqueeze(1)
+        scaled = self._apply_top_k_top_p_min_p(scaled, reqs)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(reqs):
+            seed = r.sampling_params.seed
+            if seed is not None and r.generator is None:
+                r.generator = torch.Generator().manual_seed(seed)
+            noise[i].exponential_(generator=r.generator)
+        sampled = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+
+        token_ids = sampled.tolist()
+        out = []
+        for i, r in enumerate(reqs):
+            tok = SampledToken(token_ids[i])
+            if raw_logprobs is not None and want_logprobs[i]:
+                k = r.sampling_params.logprobs or 0
+                tok.logprob = float(raw_logprobs[i, tok.token_id])
+                if k > 0:
+                    vals, ids = raw_logprobs[i].topk(k)
+                    tok.top_ids, tok.top_logprobs = ids.tolist(), vals.tolist()
+                else:
+                    tok.top_ids, tok.top_logprobs = [], []
+            out.append(tok)
+        return out
+
+    @staticmethod
+    def _apply_penalties(row: torch.Tensor, r: Request) -> None:
+        # row: [vocab], modified in place
+        sp = r.sampling_params
+        vocab = row.shape[0]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in r.all_token_ids if t < vocab}), dtype=torch.long)
+            if seen.numel():
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if (sp.presence_penalty or sp.frequency_penalty) and r.output_token_ids:
+            counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=vocab)[:vocab].to(row.dtype)
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _apply_top_k_top_p_min_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        # logits: [num_reqs, vocab], already temperature-scaled
+        vocab = logits.shape[1]
+        top_k = torch.tensor([r.sampling_params.top_k if r.sampling_params.top_k > 0 else vocab
+                              for r in reqs])
+        top_p = torch.tensor([r.sampling_params.top_p for r in reqs], dtype=logits.dtype)
+        min_p = torch.tensor([r.sampling_params.min_p for r in reqs], dtype=logits.dtype)
+        if bool((min_p > 0).any()):
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab).unsqueeze(0)
+            drop = ranks >= top_k.unsqueeze(1)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= top_p.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return logits
