@@ -1,0 +1,284 @@
+"""Pydantic models of the OpenAI-compatible HTTP API: requests as clients send them, responses as the
+official `openai` client parses them, plus the vLLM extensions tandem accepts.
+
+Requests are validated from the raw body in strict JSON mode, so `"max_tokens": "5"` is a 400 naming
+`max_tokens`, not a silent conversion.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# The per-request cap on `n` (engine requests fanned out for one HTTP request).
+MAX_N = 16
+# The most prompts one /v1/completions request may batch.
+MAX_PROMPTS = 16
+MAX_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    object: Literal["error"] = "error"
+    error: ErrorInfo
+
+
+# -------------------------------------------------------------------------------------------- requests
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored
+
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(OpenAIModel):
+    """Any content part; only `text` parts are served, the rest are rejected with a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... pass through to templates
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ------------------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogProbs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the choice; None for EOS, length or abort.
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(OpenAIModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(OpenAIModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class AssistantMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _without_nulls(self) -> dict[str, Any]:
+        # A delta carries only what changed: `{}` on a bare finish chunk, never `"role": null`.
+        out: dict[str, Any] = {}
+        if self.role is not None:
+            out["role"] = self.role
+        if self.content is not None:
+            out["content"] = self.content
+        return out
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "tandem"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
