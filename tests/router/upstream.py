@@ -142,10 +142,16 @@ def main() -> None:
     p.add_argument("--name", default="up")
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--token-delay", type=float, default=0.0)
+    # `tandem serve`'s flags, so that `tandem up --engine-command` can run this instead of an engine.
+    p.add_argument("--model", default="test-model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
+    p.add_argument("--kv-side-channel-port", type=int, default=0)
     a = p.parse_args()
 
     async def run() -> None:
-        up = await TestUpstream(name=a.name, tokens=a.tokens, token_delay=a.token_delay).start(a.port)
+        name = a.name if a.role == "both" else f"{a.role}"
+        up = await TestUpstream(name=name, tokens=a.tokens, token_delay=a.token_delay).start(a.port)
         print(f"ready {up.url}", flush=True)
         await asyncio.Event().wait()
 

@@ -1,0 +1,88 @@
+"""Active health checks eject and re-admit; killing a real upstream process under load."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import aiohttp
+import openai
+
+from tests.router.utils import eventually, free_port, start_upstream_process, wait_healthy
+
+
+async def test_static_endpoints_are_admitted_by_the_first_check(upstream, router) -> None:
+    up = await upstream(name="a")
+    r = await router(decode_urls=[up.url], health_interval=0.05)
+    ep = r.router.decode.endpoints[up.url]
+    await eventually(lambda: ep.healthy)
+
+
+async def test_failed_checks_eject_and_a_passing_check_readmits(upstream, router) -> None:
+    a = await upstream(name="a")
+    b = await upstream(name="b")
+    r = await router(decode_urls=[a.url, b.url], health_interval=0.05, health_failures=2)
+    ea, eb = r.router.decode.endpoints[a.url], r.router.decode.endpoints[b.url]
+    await eventually(lambda: ea.healthy and eb.healthy)
+    a.healthy = False
+    await eventually(lambda: not ea.healthy)
+    assert ea.ejections == 1 and eb.healthy
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
+                assert (await resp.json())["choices"][0]["text"].startswith(" b-0")
+        a.healthy = True
+        await eventually(lambda: ea.healthy)
+        text = await (await s.get(r.url + "/metrics")).text()
+    assert f'tandem:router_endpoint_healthy{{endpoint="{a.url}",role="decode"}} 1.0' in text
+
+
+async def test_kill_an_upstream_process_under_load(router) -> None:
+    """Streams from the killed process end with a clean error, new requests go to the survivor, and the
+    process is re-admitted when it comes back on the same port."""
+    ports = [free_port(), free_port()]
+    procs = [start_upstream_process(p, f"u{i}", tokens=60, token_delay=0.03) for i, p in enumerate(ports)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        await asyncio.gather(*(wait_healthy(u, proc=pr) for u, pr in zip(urls, procs, strict=True)))
+        r = await router(decode_urls=urls, decode_policy="round-robin", health_interval=0.1)
+        await eventually(lambda: len(r.router.decode.healthy()) == 2)
+        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        outcome: collections.Counter[str] = collections.Counter()
+        started = asyncio.Event()
+
+        async def one() -> None:
+            stream = await client.completions.create(model="m", prompt="x", stream=True)
+            served = None
+            try:
+                async for chunk in stream:
+                    served = served or chunk.choices[0].text.split("-")[0].strip()
+                    started.set()
+                outcome[f"ok-{served}"] += 1
+            except openai.APIError as e:
+                assert "failed mid-stream" in str(e)
+                outcome[f"error-{served}"] += 1
+
+        load = [asyncio.create_task(one()) for _ in range(6)]
+        await started.wait()
+        await asyncio.sleep(0.2)
+        procs[0].kill()
+        procs[0].wait()
+        await asyncio.gather(*load)
+        # Exactly the streams on the killed process failed, and cleanly.
+        assert outcome == {"error-u0": 3, "ok-u1": 3}, outcome
+        # New requests all go to the survivor (the first may find u0 refused and retry; none fails).
+        after = [(await client.completions.create(model="m", prompt="x", max_tokens=2)).choices[0].text
+                 for _ in range(4)]
+        assert all(t.startswith(" u1-0") for t in after)
+        assert not r.router.decode.endpoints[urls[0]].healthy
+        procs[0] = start_upstream_process(ports[0], "u0", tokens=60, token_delay=0.03)
+        await eventually(lambda: r.router.decode.endpoints[urls[0]].healthy, timeout=15)
+        back = [(await client.completions.create(model="m", prompt="x", max_tokens=1)).choices[0].text
+                for _ in range(4)]
+        assert sorted(t.split("-")[0] for t in back) == [" u0", " u0", " u1", " u1"]
+        await client.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -1,0 +1,92 @@
+"""The P/D flow (DESIGN.md section 4) against test upstreams acting as prefill and decode engines."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+
+LONG = "You are a helpful assistant who answers in detail. " * 12
+
+
+async def test_pd_flow_prefill_then_decode_with_kv_params(upstream, router) -> None:
+    p = await upstream(name="p")
+    d = await upstream(name="d", tokens=3)
+    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x")
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": LONG}], stream=True, max_tokens=3, extra_body={
+            "min_tokens": 2}, stream_options={"include_usage": True})
+    text = "".join([c.choices[0].delta.content async for c in stream if c.choices])
+    assert text == " d-0 d-1 d-2"
+    await client.close()
+    [pre] = p.seen
+    [dec] = d.seen
+    assert pre.body["max_tokens"] == 1 and pre.body["stream"] is False
+    assert "min_tokens" not in pre.body and "stream_options" not in pre.body
+    assert pre.body["kv_transfer_params"]["do_remote_decode"] is True
+    assert pre.body["messages"] == dec.body["messages"]
+    # decode gets the original request plus what prefill returned
+    assert dec.body["stream"] is True and dec.body["max_tokens"] == 3 and dec.body["min_tokens"] == 2
+    assert dec.body["kv_transfer_params"]["remote_engine_id"] == "p"
+    assert dec.body["kv_transfer_params"]["remote_block_ids"] == [1, 2, 3]
+    assert pre.headers["x-request-id"] == dec.headers["x-request-id"]
+
+
+async def test_pd_short_uncached_prompt_skips_remote_prefill(upstream, router) -> None:
+    p = await upstream(name="p")
+    d = await upstream(name="d")
+    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=32)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.url + "/v1/completions", json={"prompt": "short prompt"}) as resp:
+            assert resp.status == 200
+        assert (len(p.seen), len(d.seen)) == (0, 1)
+        async with s.post(r.url + "/v1/completions", json={"prompt": LONG}) as resp:
+            assert resp.status == 200
+        assert (len(p.seen), len(d.seen)) == (1, 2)
+        # The same long prompt again: its blocks are on the decode endpoint now, little is uncached.
+        async with s.post(r.url + "/v1/completions", json={"prompt": LONG + "and a short follow-up"}) as resp:
+            assert resp.status == 200
+        assert (len(p.seen), len(d.seen)) == (1, 3)
+        assert "kv_transfer_params" not in d.seen[2].body
+        text = await (await s.get(r.url + "/metrics")).text()
+    assert 'tandem:router_pd_decisions_total{decision="local_short_uncached"} 2.0' in text
+    assert 'tandem:router_pd_decisions_total{decision="remote"} 1.0' in text
+
+
+async def test_pd_failed_prefill_falls_back_to_local_prefill(upstream, router) -> None:
+    p = await upstream(name="p", status=500)
+    d = await upstream(name="d")
+    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.url + "/v1/completions", json={"prompt": LONG}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["text"].startswith(" d-0")
+    assert len(p.seen) == 1 and "kv_transfer_params" not in d.seen[0].body
+
+
+async def test_pd_prefill_rejecting_the_request_is_relayed(upstream, router) -> None:
+    p = await upstream(name="p", status=400)
+    d = await upstream(name="d")
+    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.url + "/v1/completions", json={"prompt": LONG}) as resp:
+            assert resp.status == 400
+    assert d.seen == []
+
+
+async def test_pd_prefill_retried_on_another_prefill_endpoint(upstream, router) -> None:
+    p1 = await upstream(name="p1", status=503)
+    p2 = await upstream(name="p2", status=503)
+    good = await upstream(name="p3")
+    d = await upstream(name="d")
+    r = await router(decode_urls=[d.url], prefill_urls=[p1.url, p2.url, good.url], remote_prefill_threshold=0,
+                     prefill_policy="round-robin")
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(r.url + "/v1/completions", json={"prompt": LONG, "stream": True}) as resp:
+                assert resp.status == 200
+                await resp.read()
+    assert [x.body["kv_transfer_params"]["remote_engine_id"] for x in d.seen] == ["p3"] * 3
+    # Round-robin over three reaches a bad one; each bad one is tried once, then ejected.
+    assert len(p1.seen) <= 1 and len(p2.seen) <= 1 and len(p1.seen) + len(p2.seen) >= 1
+    assert len(good.seen) == 3
