@@ -73,7 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         kernels = _kernels()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        num_segments = self.num_kv_splits if self._use_split(query, k_cache, meta) else 1
+        num_segments = self.num_kv_splits if self.uses_split_kv(query, k_cache, meta) else 1
         scratch = None
         if num_segments > 1:
             scratch = self._segment_scratch(query, num_segments, max(16, _next_pow2(query.shape[2])))
@@ -94,7 +94,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def _use_split(self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def uses_split_kv(self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether forward() takes the split-KV path for this batch."""
         if self.split_kv is not None:
             return self.split_kv
         if not meta.is_pure_decode or query.device.type != "cuda":
