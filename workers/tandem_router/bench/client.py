@@ -1,0 +1,178 @@
+"""Drives an OpenAI endpoint: one streamed request at a time per session, timing every chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from tandem_router.bench.workload import Session
+
+
+@dataclass
+class Record:
+    start: float  # seconds since the benchmark began
+    group: int
+    turn: int
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class Target:
+    url: str
+    model: str
+    endpoint: str  # completions | chat
+    output_len: int
+    api_key: str | None = None
+    timeout: float = 600.0
+
+
+async def one_request(
+    http: aiohttp.ClientSession, target: Target, messages: list[dict[str, str]], prompt: str, rec: Record, t0: float
+) -> None:
+    body: dict[str, Any] = {
+        "model": target.model, "max_tokens": target.output_len, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }
+    if target.endpoint == "chat":
+        body["messages"] = messages
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    start = time.perf_counter()
+    rec.start = start - t0
+    last = start
+    pieces: list[str] = []
+    chunks = 0
+    try:
+        async with http.post(target.url + path, json=body, headers=headers,
+                             timeout=aiohttp.ClientTimeout(total=target.timeout)) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    rec.error = str(data["error"].get("message"))
+                    return
+                if data.get("usage"):
+                    rec.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                    rec.output_tokens = data["usage"].get("completion_tokens", 0)
+                for choice in data.get("choices") or []:
+                    piece = choice.get("text") if target.endpoint != "chat" else (choice.get("delta") or {}).get(
+                        "content")
+                    if not piece:
+                        continue
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    pieces.append(piece)
+        rec.e2e = time.perf_counter() - start
+        rec.output_tokens = rec.output_tokens or chunks
+        rec.text = "".join(pieces)
+        rec.ok = chunks > 0
+        if not rec.ok:
+            rec.error = "no tokens"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+async def run_session(http: aiohttp.ClientSession, target: Target, sess: Session, t0: float,
+                      records: list[Record]) -> None:
+    history: list[dict[str, str]] = []
+    for turn, user in enumerate(sess.turns):
+        messages = ([{"role": "system", "content": sess.system}] if sess.system else []) + history + [
+            {"role": "user", "content": user}]
+        prompt = (sess.system + "\n" if sess.system else "") + "".join(
+            f"{m['content']}\n" for m in history) + user
+        rec = Record(start=0.0, group=sess.group, turn=turn)
+        records.append(rec)
+        await one_request(http, target, messages, prompt, rec, t0)
+        if not rec.ok:
+            return
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": rec.text}]
+
+
+async def run(target: Target, sessions: list[Session], concurrency: int | None, request_rate: float | None,
+              seed: int) -> tuple[list[Record], float]:
+    """Sessions start at a Poisson `request_rate` (per second), or `concurrency` run at once."""
+    records: list[Record] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        t0 = time.perf_counter()
+        if request_rate:
+            rng = random.Random(seed)
+            limit = asyncio.Semaphore(concurrency or 1_000_000)
+
+            async def gated(s: Session) -> None:
+                async with limit:
+                    await run_session(http, target, s, t0, records)
+
+            tasks = []
+            for s in sessions:
+                tasks.append(asyncio.create_task(gated(s)))
+                await asyncio.sleep(rng.expovariate(request_rate))
+            await asyncio.gather(*tasks)
+        else:
+            queue = list(reversed(sessions))
+
+            async def worker() -> None:
+                while queue:
+                    await run_session(http, target, queue.pop(), t0, records)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
+        duration = time.perf_counter() - t0
+    return records, duration
+
+
+async def first_model(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as http, http.get(url + "/v1/models", headers=headers) as resp:
+        resp.raise_for_status()
+        return str((await resp.json())["data"][0]["id"])
+
+
+async def scrape_prefix_cache(urls: list[str]) -> dict[str, float]:
+    """Sum of `vllm:prefix_cache_hits` and `vllm:prefix_cache_queries` over the given engines."""
+    totals = {"hits": 0.0, "queries": 0.0}
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+            for line in text.splitlines():
+                if line.startswith("#") or not line.strip():
+                    continue
+                name = line.split("{")[0].split(" ")[0]
+                value = float(line.rsplit(" ", 1)[1])
+                if name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"):
+                    totals["hits"] += value
+                elif name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"):
+                    totals["queries"] += value
+    return totals
