@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
@@ -254,6 +255,49 @@ def test_import_does_not_need_triton() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """Lower every kernel variant to an sm_90 cubin without a GPU: catches typing and lowering errors
+    (loop-carried types, dot shapes, constexpr misuse) that the interpreter lets through."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        pytest.skip("kernels are interpreted in this process")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tandem_engine.attention import triton_kernels as tk
+
+    def compile_for_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any]) -> None:
+        # Unlisted arguments are integer strides and counts.
+        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+
+    act = "*bf16"
+    cache = {"k_cache_ptr": act, "v_cache_ptr": act}
+    compile_for_sm90(
+        tk._store_kv_kernel,
+        {"key_ptr": act, "value_ptr": act, "slot_ptr": "*i64", **cache},
+        dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_SIZE=16, HEADS_PAD=4, DIM_PAD=64),
+    )
+    seg = {"seg_out_ptr": "*fp32", "seg_max_ptr": "*fp32", "seg_sum_ptr": "*fp32"}
+    types = {
+        "out_ptr": act, "q_ptr": act, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32", "qk_scale": "fp32", **cache, **seg,
+    }  # fmt: skip
+    for segments, (block_q, block_m) in ((1, tk.tile_config(3, 2048)), (16, tk.tile_config(3, 1))):
+        consts = dict(
+            NUM_Q_HEADS=9, GROUP=3, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_M=block_m,
+            TILE_N=32, NUM_SEGMENTS=segments, DOT_PRECISION="tf32",
+        )  # fmt: skip
+        compile_for_sm90(tk._unified_attention_kernel, types, consts)
+    compile_for_sm90(
+        tk._reduce_segments_kernel,
+        {"out_ptr": act, **seg},
+        dict(NUM_Q_HEADS=9, HEAD_DIM=64, DIM_PAD=64, NUM_SEGMENTS=16),
+    )
 
 
 @pytest.mark.gpu
