@@ -4,10 +4,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from tests.router.upstream import TestUpstream
 
 from tandem_router.config import RouterConfig
 from tandem_router.server import ROUTER_KEY, start_server
-from tests.router.upstream import TestUpstream
 
 StartUpstream = Callable[..., Awaitable[TestUpstream]]
 

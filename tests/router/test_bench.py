@@ -24,10 +24,21 @@ def test_percentile_matches_numpy() -> None:
 
 
 def test_summary_of_known_records() -> None:
-    recs = [Record(start=0, group=0, turn=0, ok=True, ttft=0.1, e2e=1.1, itl=[0.5, 0.5], output_tokens=3,
-                   prompt_tokens=10),
-            Record(start=0, group=0, turn=0, ok=True, ttft=0.3, e2e=0.3, output_tokens=1, prompt_tokens=10),
-            Record(start=0, group=0, turn=0, ok=False, error="x")]
+    recs = [
+        Record(
+            start=0,
+            group=0,
+            turn=0,
+            ok=True,
+            ttft=0.1,
+            e2e=1.1,
+            itl=[0.5, 0.5],
+            output_tokens=3,
+            prompt_tokens=10,
+        ),
+        Record(start=0, group=0, turn=0, ok=True, ttft=0.3, e2e=0.3, output_tokens=1, prompt_tokens=10),
+        Record(start=0, group=0, turn=0, ok=False, error="x"),
+    ]
     s = summarize(recs, duration=2.0)
     assert (s["completed"], s["failed"]) == (2, 1)
     assert s["ttft_ms"] == pytest.approx({"mean": 200.0, "p50": 200.0, "p99": 298.0})
@@ -52,10 +63,33 @@ def test_workloads_are_deterministic_and_share_prefixes() -> None:
 async def test_bench_run_against_a_test_upstream(upstream, tmp_path: Path) -> None:
     up = await upstream(name="a", tokens=8, token_delay=0.02)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    code = await asyncio.to_thread(bench_main, [
-        "--url", up.url, "--workload", "shared-prefix", "--num-groups", "2", "--users-per-group", "2",
-        "--turns", "2", "--prefix-len", "30", "--output-len", "8", "--concurrency", "2",
-        "--json", str(out), "--plot", str(png), "--label", "test"])
+    code = await asyncio.to_thread(
+        bench_main,
+        [
+            "--url",
+            up.url,
+            "--workload",
+            "shared-prefix",
+            "--num-groups",
+            "2",
+            "--users-per-group",
+            "2",
+            "--turns",
+            "2",
+            "--prefix-len",
+            "30",
+            "--output-len",
+            "8",
+            "--concurrency",
+            "2",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--label",
+            "test",
+        ],
+    )
     assert code == 0
     result = json.loads(out.read_text())
     s = result["summary"]

@@ -8,9 +8,9 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
+from tests.router.utils import eventually
 
 from tandem_router.discovery import parse_selector, selector_matches
-from tests.router.utils import eventually
 
 try:  # the operator tests' emulator adds resourceVersions and resumable watches
     from tests.operator.kube_emulator import RealisticEmulator as Emulator
@@ -24,8 +24,9 @@ ISVC = "serving.tandem.dev/inferenceservice"
 ROLE = "serving.tandem.dev/role"
 
 
-def endpoint_slice(name: str, role: str, port: int, endpoints: list[tuple[str, bool | None]],
-                   isvc: str = "llm") -> dict[str, Any]:
+def endpoint_slice(
+    name: str, role: str, port: int, endpoints: list[tuple[str, bool | None]], isvc: str = "llm"
+) -> dict[str, Any]:
     eps = []
     for addr, ready in endpoints:
         ep: dict[str, Any] = {"addresses": [addr]}
@@ -33,9 +34,13 @@ def endpoint_slice(name: str, role: str, port: int, endpoints: list[tuple[str, b
             ep["conditions"] = {"ready": ready}
         eps.append(ep)
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": name, "namespace": "ns", "labels": {ISVC: isvc, ROLE: role,
-                                                                  "kubernetes.io/service-name": f"{isvc}-{role}"}},
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "labels": {ISVC: isvc, ROLE: role, "kubernetes.io/service-name": f"{isvc}-{role}"},
+        },
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": eps,
@@ -66,29 +71,42 @@ def test_selector_parsing_and_matching() -> None:
         parse_selector("a!=b")
 
 
-async def test_endpointslices_are_watched_with_readiness(kmock: Any, kubeconfig: str, upstream, router) -> None:
+async def test_endpointslices_are_watched_with_readiness(
+    kmock: Any, kubeconfig: str, upstream, router
+) -> None:
     a = await upstream(name="a")
     b = await upstream(name="b")
     pa, pb = (int(u.url.rsplit(":", 1)[1]) for u in (a, b))
-    await kmock.post(SLICES, json=endpoint_slice("llm-decode-1", "decode", pa,
-                                                 [("127.0.0.1", True), ("10.9.9.9", False)]))
+    await kmock.post(
+        SLICES, json=endpoint_slice("llm-decode-1", "decode", pa, [("127.0.0.1", True), ("10.9.9.9", False)])
+    )
     await kmock.post(SLICES, json=endpoint_slice("llm-prefill-1", "prefill", 9000, [("10.1.1.1", None)]))
     # Another InferenceService's slice: KMock ignores label selectors, the router must not.
-    await kmock.post(SLICES, json=endpoint_slice("other-decode-1", "decode", 9000, [("10.2.2.2", True)],
-                                                 isvc="other"))
-    r = await router(discovery="kubernetes", namespace="ns", kubeconfig=kubeconfig,
-                     decode_selector=f"{ISVC}=llm,{ROLE}=decode", prefill_selector=f"{ISVC}=llm,{ROLE}=prefill",
-                     remote_prefill_threshold=10_000)
+    await kmock.post(
+        SLICES, json=endpoint_slice("other-decode-1", "decode", 9000, [("10.2.2.2", True)], isvc="other")
+    )
+    r = await router(
+        discovery="kubernetes",
+        namespace="ns",
+        kubeconfig=kubeconfig,
+        decode_selector=f"{ISVC}=llm,{ROLE}=decode",
+        prefill_selector=f"{ISVC}=llm,{ROLE}=prefill",
+        remote_prefill_threshold=10_000,
+    )
     decode, prefill = r.router.decode, r.router.prefill
-    await eventually(lambda: set(decode.endpoints) == {a.url} and set(prefill.endpoints) == {"http://10.1.1.1:9000"})
+    await eventually(
+        lambda: set(decode.endpoints) == {a.url} and set(prefill.endpoints) == {"http://10.1.1.1:9000"}
+    )
     async with aiohttp.ClientSession() as s:
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert (await resp.json())["choices"][0]["text"].startswith(" a-0")
         # A second decode pod becomes ready (a new slice), then the first one turns unready.
         await kmock.post(SLICES, json=endpoint_slice("llm-decode-2", "decode", pb, [("127.0.0.1", True)]))
         await eventually(lambda: set(decode.endpoints) == {a.url, b.url})
-        await kmock.patch(f"{SLICES}/llm-decode-1", json={"endpoints": [{"addresses": ["127.0.0.1"],
-                                                                         "conditions": {"ready": False}}]})
+        await kmock.patch(
+            f"{SLICES}/llm-decode-1",
+            json={"endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": False}}]},
+        )
         await eventually(lambda: set(decode.endpoints) == {b.url})
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert (await resp.json())["choices"][0]["text"].startswith(" b-0")
@@ -97,11 +115,21 @@ async def test_endpointslices_are_watched_with_readiness(kmock: Any, kubeconfig:
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 503
         # Terminating endpoints are not admitted either.
-        await kmock.patch(f"{SLICES}/llm-decode-1", json={"endpoints": [
-            {"addresses": ["127.0.0.1"], "conditions": {"ready": True}},
-        ]})
+        await kmock.patch(
+            f"{SLICES}/llm-decode-1",
+            json={
+                "endpoints": [
+                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True}},
+                ]
+            },
+        )
         await eventually(lambda: set(decode.endpoints) == {a.url})
-        await kmock.patch(f"{SLICES}/llm-decode-1", json={"endpoints": [
-            {"addresses": ["127.0.0.1"], "conditions": {"ready": True, "terminating": True}},
-        ]})
+        await kmock.patch(
+            f"{SLICES}/llm-decode-1",
+            json={
+                "endpoints": [
+                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True, "terminating": True}},
+                ]
+            },
+        )
         await eventually(lambda: decode.endpoints == {})

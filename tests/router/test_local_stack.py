@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from tests.router.utils import REPO, free_port
 
 UPSTREAM = f"{sys.executable} -m tests.router.upstream"
@@ -19,7 +18,10 @@ TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.ex
 def run_up(args: list[str], log_dir: Path) -> tuple[subprocess.Popen[str], list[str]]:
     proc = subprocess.Popen(
         [*TANDEM, "up", "--log-dir", str(log_dir), "--engine-command", UPSTREAM, *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={"PYTHONPATH": f"{REPO}/workers:{REPO}", "PATH": "/usr/bin:/bin"},
     )
     lines: list[str] = []
@@ -45,7 +47,7 @@ def test_up_runs_pd_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     port = free_port()
     proc, lines = run_up(["--port", str(port), "--prefill", "1", "--decode", "1"], tmp_path)
     url = f"http://127.0.0.1:{port}"
-    assert any(f"ready in" in ln and url in ln for ln in lines)
+    assert any("ready in" in ln and url in ln for ln in lines)
     assert any("prefill-0 ready" in ln for ln in lines) and any("decode-0 ready" in ln for ln in lines)
     children = child_pids(proc.pid)
     assert len(children) == 3
@@ -59,17 +61,30 @@ def test_up_runs_pd_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "[up] stopped" in out
     time.sleep(0.2)
-    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
-               for pid in children)
+    assert all(
+        not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        for pid in children
+    )
     assert {p.name for p in tmp_path.iterdir()} == {"prefill-0.log", "decode-0.log", "router.log"}
 
 
 def test_up_reports_an_engine_that_dies_during_startup(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.run(
-        [*TANDEM, "up", "--log-dir", str(tmp_path), "--port", str(port),
-         "--engine-command", f"{sys.executable} -c 'import sys; print(\"boom: no model\"); sys.exit(3)'"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            *TANDEM,
+            "up",
+            "--log-dir",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--engine-command",
+            f"{sys.executable} -c 'import sys; print(\"boom: no model\"); sys.exit(3)'",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PYTHONPATH": f"{REPO}/workers:{REPO}", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 1

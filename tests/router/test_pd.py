@@ -14,8 +14,13 @@ async def test_pd_flow_prefill_then_decode_with_kv_params(upstream, router) -> N
     r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x")
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": LONG}], stream=True, max_tokens=3, extra_body={
-            "min_tokens": 2}, stream_options={"include_usage": True})
+        model="m",
+        messages=[{"role": "user", "content": LONG}],
+        stream=True,
+        max_tokens=3,
+        extra_body={"min_tokens": 2},
+        stream_options={"include_usage": True},
+    )
     text = "".join([c.choices[0].delta.content async for c in stream if c.choices])
     assert text == " d-0 d-1 d-2"
     await client.close()
@@ -79,8 +84,12 @@ async def test_pd_prefill_retried_on_another_prefill_endpoint(upstream, router) 
     p2 = await upstream(name="p2", status=503)
     good = await upstream(name="p3")
     d = await upstream(name="d")
-    r = await router(decode_urls=[d.url], prefill_urls=[p1.url, p2.url, good.url], remote_prefill_threshold=0,
-                     prefill_policy="round-robin")
+    r = await router(
+        decode_urls=[d.url],
+        prefill_urls=[p1.url, p2.url, good.url],
+        remote_prefill_threshold=0,
+        prefill_policy="round-robin",
+    )
     async with aiohttp.ClientSession() as s:
         for _ in range(3):
             async with s.post(r.url + "/v1/completions", json={"prompt": LONG, "stream": True}) as resp:

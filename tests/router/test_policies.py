@@ -1,7 +1,14 @@
 from __future__ import annotations
 
 from tandem_router.hashing import HashRing, block_hashes, hash64
-from tandem_router.policies import LeastLoad, PrefixAware, RoundRobin, RoutingRequest, SessionAffinity, load_bound
+from tandem_router.policies import (
+    LeastLoad,
+    PrefixAware,
+    RoundRobin,
+    RoutingRequest,
+    SessionAffinity,
+    load_bound,
+)
 from tandem_router.pool import Endpoint, Role
 from tandem_router.prefix_index import PrefixIndex
 
@@ -60,7 +67,11 @@ def test_round_robin_cycles() -> None:
     rr = RoundRobin()
     idx = PrefixIndex(10)
     assert [rr.choose(e, req(), idx).endpoint.url for _ in range(4)] == [
-        "http://e0", "http://e1", "http://e2", "http://e0"]
+        "http://e0",
+        "http://e1",
+        "http://e2",
+        "http://e0",
+    ]
 
 
 def test_least_load_counts_requests_then_tokens() -> None:

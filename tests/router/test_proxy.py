@@ -9,7 +9,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-
 from tests.router.conftest import RunningRouter
 
 
@@ -32,8 +31,11 @@ async def test_openai_client_streamed_and_not_through_the_router(upstream, route
     chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].message.content == " a-0 a-1 a-2"
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
-        stream_options={"include_usage": True})
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces = []
     usage = None
     async for chunk in stream:
@@ -128,8 +130,11 @@ async def test_client_disconnect_cancels_the_upstream_request(upstream, router) 
     up = await upstream(name="a", tokens=200, token_delay=0.02)
     r = await router(decode_urls=[up.url])
     async with aiohttp.ClientSession() as s:
-        resp = await s.post(r.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                            headers={"X-Request-Id": "gone-1"})
+        resp = await s.post(
+            r.url + "/v1/completions",
+            json={"prompt": "x", "stream": True},
+            headers={"X-Request-Id": "gone-1"},
+        )
         await resp.content.readline()
         resp.close()  # the client goes away mid-stream
     for _ in range(100):
@@ -151,8 +156,12 @@ async def test_client_disconnect_cancels_a_non_streamed_request(upstream, router
     r = await router(decode_urls=[up.url])
     async with aiohttp.ClientSession() as s:
         with pytest.raises(asyncio.TimeoutError):
-            await s.post(r.url + "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "gone-2"},
-                         timeout=aiohttp.ClientTimeout(total=0.3))
+            await s.post(
+                r.url + "/v1/completions",
+                json={"prompt": "x"},
+                headers={"X-Request-Id": "gone-2"},
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
     for _ in range(100):
         if up.disconnected:
             break
@@ -177,8 +186,9 @@ async def test_api_key_is_required_by_the_router_only(upstream, router) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
-        async with s.post(r.url + "/v1/completions", json={"prompt": "x"},
-                          headers={"Authorization": "Bearer wrong"}) as resp:
+        async with s.post(
+            r.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}
+        ) as resp:
             assert resp.status == 401
         async with s.get(r.url + "/health") as resp:
             assert resp.status == 200
@@ -202,7 +212,12 @@ async def test_metrics_count_requests_and_decisions_per_endpoint_and_policy(upst
         text = await (await s.get(r.url + "/metrics")).text()
     served = a.url if a.seen else b.url
     assert len(a.seen) + len(b.seen) == 4 and (len(a.seen) == 4 or len(b.seen) == 4)
-    assert (f'tandem:router_routing_decisions_total{{endpoint="{served}",policy="prefix-aware",'
-            f'reason="prefix_hit",role="decode"}} 3.0') in text
-    assert f'tandem:router_requests_total{{endpoint="{served}",route="/v1/completions",status="200"}} 4.0' in text
+    assert (
+        f'tandem:router_routing_decisions_total{{endpoint="{served}",policy="prefix-aware",'
+        f'reason="prefix_hit",role="decode"}} 3.0'
+    ) in text
+    assert (
+        f'tandem:router_requests_total{{endpoint="{served}",route="/v1/completions",status="200"}} 4.0'
+        in text
+    )
     assert "tandem:router_overhead_seconds_count 4.0" in text

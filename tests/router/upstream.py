@@ -49,8 +49,14 @@ class TestUpstream:
         rid = request.headers.get("X-Request-Id", "")
         self.seen.append(Seen(request.path, body, {k.lower(): v for k, v in request.headers.items()}))
         if self.status != 200:
-            err = {"error": {"message": f"{self.name} says {self.status}", "type": "x", "param": None,
-                             "code": self.status}}
+            err = {
+                "error": {
+                    "message": f"{self.name} says {self.status}",
+                    "type": "x",
+                    "param": None,
+                    "code": self.status,
+                }
+            }
             return web.json_response(err, status=self.status)
         chat = request.path.endswith("chat/completions")
         n = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
@@ -58,9 +64,16 @@ class TestUpstream:
         kv_in = body.get("kv_transfer_params") or {}
         kv_out = None
         if kv_in.get("do_remote_decode"):
-            kv_out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
-                      "remote_request_id": rid, "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
-                      "remote_port": 5600, "tp_size": 1}
+            kv_out = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.name,
+                "remote_request_id": rid,
+                "remote_block_ids": [1, 2, 3],
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+            }
         usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
@@ -75,8 +88,15 @@ class TestUpstream:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            out = {"id": f"cmpl-{rid}", "object": obj, "created": int(time.time()), "model": body.get("model"),
-                   "choices": [choice], "usage": usage, "kv_transfer_params": kv_out}
+            out = {
+                "id": f"cmpl-{rid}",
+                "object": obj,
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [choice],
+                "usage": usage,
+                "kv_transfer_params": kv_out,
+            }
             self.finished.append(rid)
             return web.json_response(out)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -93,12 +113,23 @@ class TestUpstream:
                     delta["delta"] = {"content": piece}
                 else:
                     delta["text"] = piece
-                chunk = {"id": f"cmpl-{rid}", "object": obj + ".chunk", "created": 0,
-                         "model": body.get("model"), "choices": [delta]}
+                chunk = {
+                    "id": f"cmpl-{rid}",
+                    "object": obj + ".chunk",
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [delta],
+                }
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if (body.get("stream_options") or {}).get("include_usage"):
-                chunk = {"id": f"cmpl-{rid}", "object": obj + ".chunk", "created": 0,
-                         "model": body.get("model"), "choices": [], "usage": usage}
+                chunk = {
+                    "id": f"cmpl-{rid}",
+                    "object": obj + ".chunk",
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [],
+                    "usage": usage,
+                }
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -112,8 +143,9 @@ class TestUpstream:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "test-model", "object": "model",
-                                                              "owned_by": self.name}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "test-model", "object": "model", "owned_by": self.name}]}
+        )
 
     async def start(self, port: int = 0) -> TestUpstream:
         app = web.Application()

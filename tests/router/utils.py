@@ -20,10 +20,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_upstream_process(port: int, name: str, tokens: int = 4, token_delay: float = 0.0) -> subprocess.Popen[bytes]:
+def start_upstream_process(
+    port: int, name: str, tokens: int = 4, token_delay: float = 0.0
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.router.upstream", "--port", str(port), "--name", name,
-         "--tokens", str(tokens), "--token-delay", str(token_delay)],
+        [
+            sys.executable,
+            "-m",
+            "tests.router.upstream",
+            "--port",
+            str(port),
+            "--name",
+            name,
+            "--tokens",
+            str(tokens),
+            "--token-delay",
+            str(token_delay),
+        ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
     )
@@ -39,7 +52,7 @@ async def wait_healthy(url: str, timeout: float = 30.0, proc: subprocess.Popen[b
                 async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
                     if resp.status == 200:
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
             await asyncio.sleep(0.05)
     raise TimeoutError(f"{url} not healthy after {timeout}s")

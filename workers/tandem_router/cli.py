@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem route", description="Route OpenAI requests to tandem engines.")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--decode", type=_urls, default=[], help="decode (or colocated) engine URLs, comma-separated")
+    p.add_argument(
+        "--decode", type=_urls, default=[], help="decode (or colocated) engine URLs, comma-separated"
+    )
     p.add_argument("--prefill", type=_urls, default=[], help="prefill engine URLs; enables the P/D flow")
     p.add_argument("--policy", choices=POLICIES, default=None, help="policy for both pools")
     p.add_argument("--decode-policy", choices=POLICIES, default=None)
@@ -41,10 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None)
     p.add_argument("--api-key", default=None, help=f"require this Bearer key (or set ${API_KEY_ENV})")
     p.add_argument("--session-header", default=d.session_header)
-    p.add_argument("--remote-prefill-threshold", type=int, default=d.remote_prefill_threshold,
-                   help="decode prefills locally when at most this many prompt tokens are uncached there")
-    p.add_argument("--load-factor", type=float, default=d.load_factor,
-                   help="bounded load: an endpoint takes at most this times the mean in-flight requests")
+    p.add_argument(
+        "--remote-prefill-threshold",
+        type=int,
+        default=d.remote_prefill_threshold,
+        help="decode prefills locally when at most this many prompt tokens are uncached there",
+    )
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=d.load_factor,
+        help="bounded load: an endpoint takes at most this times the mean in-flight requests",
+    )
     p.add_argument("--block-chars", type=int, default=d.block_chars)
     p.add_argument("--index-capacity-blocks", type=int, default=d.index_capacity_blocks)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
@@ -112,12 +122,11 @@ def main(argv: list[str]) -> int:
         log_level = argv[argv.index("--log-level") + 1]
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(argv)
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency, but the router works without it
-        runner = asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        runner(serve(config))
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency, but the router works without it
+            asyncio.run(serve(config))
+        else:
+            uvloop.run(serve(config))
     return 0

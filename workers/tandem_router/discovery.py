@@ -88,7 +88,9 @@ class _SliceWatch:
         self.selector = selector
         self.parsed = parse_selector(selector)
         self.slices: dict[str, list[str]] = {}
-        self.thread = threading.Thread(target=self._run, name=f"endpointslices-{pool.role.value}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"endpointslices-{pool.role.value}", daemon=True
+        )
 
     def _publish(self) -> None:
         if self.owner.stopping.is_set():
@@ -112,7 +114,9 @@ class _SliceWatch:
         backoff = 0.5
         while not self.owner.stopping.is_set():
             try:
-                listed = api.list_namespaced_endpoint_slice(ns, label_selector=self.selector, _request_timeout=10)
+                listed = api.list_namespaced_endpoint_slice(
+                    ns, label_selector=self.selector, _request_timeout=10
+                )
                 self.slices.clear()
                 for item in listed.items:
                     self._apply("ADDED", item)
@@ -120,13 +124,15 @@ class _SliceWatch:
                 version = listed.metadata.resource_version if listed.metadata else None
                 backoff = 0.5
                 while not self.owner.stopping.is_set():
-                    w = watch.Watch()
+                    w = watch.Watch()  # type: ignore[no-untyped-call]
                     self.owner.watches.add(w)
                     kwargs: dict[str, Any] = {"label_selector": self.selector, "timeout_seconds": 60}
                     if version:
                         kwargs["resource_version"] = version
                     try:
-                        for event in w.stream(api.list_namespaced_endpoint_slice, ns, _request_timeout=75, **kwargs):
+                        for event in w.stream(  # type: ignore[no-untyped-call]
+                            api.list_namespaced_endpoint_slice, ns, _request_timeout=75, **kwargs
+                        ):
                             obj = event["object"]
                             if event["type"] == "ERROR" or not hasattr(obj, "metadata"):
                                 raise RuntimeError(f"watch error: {obj}")
@@ -142,8 +148,13 @@ class _SliceWatch:
             except ApiException as e:
                 if self.owner.stopping.is_set():
                     return
-                logger.warning("[discovery] EndpointSlice %s for %s failed: %s %s", "watch", self.selector,
-                               e.status, e.reason)
+                logger.warning(
+                    "[discovery] EndpointSlice %s for %s failed: %s %s",
+                    "watch",
+                    self.selector,
+                    e.status,
+                    e.reason,
+                )
             except Exception as e:  # the connection dropped, the server went away: re-list after a pause
                 if self.owner.stopping.is_set():
                     return
@@ -167,9 +178,9 @@ class KubernetesDiscovery(Discovery):
         try:
             if self.config.kubeconfig:
                 raise config.ConfigException("kubeconfig given")
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
-            config.load_kube_config(config_file=self.config.kubeconfig)
+            config.load_kube_config(config_file=self.config.kubeconfig)  # type: ignore[no-untyped-call]
         return client.DiscoveryV1Api()
 
     async def start(self, router: Router) -> None:
@@ -181,8 +192,12 @@ class KubernetesDiscovery(Discovery):
                 w = _SliceWatch(self, pool, selector)
                 self._watchers.append(w)
                 w.thread.start()
-        logger.info("[discovery] watching EndpointSlices in %s: decode=%r prefill=%r", self.config.namespace,
-                    self.config.decode_selector, self.config.prefill_selector)
+        logger.info(
+            "[discovery] watching EndpointSlices in %s: decode=%r prefill=%r",
+            self.config.namespace,
+            self.config.decode_selector,
+            self.config.prefill_selector,
+        )
 
     async def stop(self) -> None:
         self.stopping.set()

@@ -53,8 +53,11 @@ class HealthChecker:
                 await asyncio.sleep(min(0.2, interval))  # coalesce bursts of pokes
 
     async def check_all(self) -> None:
-        checks = [self.check(pool, ep) for pool in (self.router.decode, self.router.prefill)
-                  for ep in list(pool.endpoints.values())]
+        checks = [
+            self.check(pool, ep)
+            for pool in (self.router.decode, self.router.prefill)
+            for ep in list(pool.endpoints.values())
+        ]
         if checks:
             await asyncio.gather(*checks)
 
@@ -67,7 +70,7 @@ class HealthChecker:
                 await resp.read()
                 ok = resp.status == 200
                 reason = f"/health answered {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             ok = False
             reason = f"/health failed: {type(e).__name__}"
         if ok:

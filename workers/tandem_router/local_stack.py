@@ -72,8 +72,14 @@ class Child:
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self.started = time.monotonic()
 
     def alive(self) -> bool:
@@ -93,6 +99,10 @@ def supports_roles(engine_cmd: list[str]) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "--role" in out.stdout and "prefill" in out.stdout
+
+
+def _names(children: list[Child]) -> str:
+    return ", ".join(c.name for c in children)
 
 
 def say(msg: str) -> None:
@@ -124,11 +134,11 @@ class Stack:
                     say(f"{c.name} ready at {c.url} ({time.monotonic() - c.started:.1f}s)")
                     pending.remove(c)
             if time.monotonic() > deadline:
-                say(f"gave up after {self.startup_timeout:.0f}s waiting for {', '.join(c.name for c in pending)}")
+                say(f"gave up after {self.startup_timeout:.0f}s waiting for {_names(pending)}")
                 return False
             if pending and time.monotonic() - last_report > 10:
                 waited = time.monotonic() - pending[0].started
-                say(f"still waiting for {', '.join(c.name for c in pending)} ({waited:.0f}s; loading the model)")
+                say(f"still waiting for {_names(pending)} ({waited:.0f}s; loading the model)")
                 last_report = time.monotonic()
             time.sleep(0.25)
         return not self.stopping
@@ -151,17 +161,25 @@ class Stack:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem up", description="Run router + prefill + decode engines locally.")
+    p = argparse.ArgumentParser(
+        prog="tandem up", description="Run router + prefill + decode engines locally."
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--prefill", type=int, default=None, help="prefill engines (default 1 when the engine has "
-                   "P/D roles, else 0: colocated)")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill engines (default 1 when the engine has P/D roles, else 0: colocated)",
+    )
     p.add_argument("--decode", type=int, default=1, help="decode engines (colocated ones without prefill)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--policy", choices=POLICIES, default="prefix-aware")
     p.add_argument("--log-dir", default="logs")
     p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--engine-args", default="", help="extra `tandem serve` arguments, one shell-quoted string")
+    p.add_argument(
+        "--engine-args", default="", help="extra `tandem serve` arguments, one shell-quoted string"
+    )
     p.add_argument("--router-args", default="", help="extra `tandem route` arguments")
     # For tests: the engine program (anything taking `tandem serve`'s flags).
     p.add_argument("--engine-command", default=shlex.join([*TANDEM, "serve"]), help=argparse.SUPPRESS)
@@ -185,8 +203,8 @@ def main(argv: list[str]) -> int:
     if n_prefill == 0 and a.prefill is None:
         say("engine has no prefill/decode roles yet: running colocated engines (--role both)")
     logs = Path(a.log_dir)
-    say(f"model {a.model}: {n_prefill} prefill + {a.decode} {'decode' if n_prefill else 'colocated'} engine(s) "
-        f"+ router; logs in {logs}/")
+    kind = "decode" if n_prefill else "colocated"
+    say(f"model {a.model}: {n_prefill} prefill + {a.decode} {kind} engine(s) + router; logs in {logs}/")
     extra = shlex.split(a.engine_args)
     engines: list[Child] = []
     for role, count in (("prefill", n_prefill), ("decode" if n_prefill else "engine", a.decode)):
@@ -198,8 +216,19 @@ def main(argv: list[str]) -> int:
             engines.append(Child(f"{role}-{i}", f"http://{host}:{port}", argv_e, logs / f"{role}-{i}.log"))
     decode_urls = ",".join(c.url for c in engines if not c.name.startswith("prefill"))
     prefill_urls = ",".join(c.url for c in engines if c.name.startswith("prefill"))
-    router_argv = [*TANDEM, "route", "--host", host, "--port", str(a.port),
-                   "--decode", decode_urls, "--policy", a.policy, *shlex.split(a.router_args)]
+    router_argv = [
+        *TANDEM,
+        "route",
+        "--host",
+        host,
+        "--port",
+        str(a.port),
+        "--decode",
+        decode_urls,
+        "--policy",
+        a.policy,
+        *shlex.split(a.router_args),
+    ]
     if prefill_urls:
         router_argv += ["--prefill", prefill_urls]
     router = Child("router", f"http://{host}:{a.port}", router_argv, logs / "router.log")
@@ -225,8 +254,10 @@ def main(argv: list[str]) -> int:
             code = 0 if stack.stopping else 1
             return code
         say(f"ready in {time.monotonic() - t0:.1f}s: {router.url}  (Ctrl-C to stop)")
-        say(f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{a.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'")
+        say(
+            f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{a.model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\''
+        )
         while not stack.stopping:
             dead = [c for c in stack.all() if not c.alive()]
             if dead:

@@ -36,7 +36,10 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter(
-            "tandem:router_retries_total", "Upstream attempts retried on another endpoint", ["role"], registry=r
+            "tandem:router_retries_total",
+            "Upstream attempts retried on another endpoint",
+            ["role"],
+            registry=r,
         )
         self.client_disconnects = Counter(
             "tandem:router_client_disconnects_total", "Requests whose client went away", registry=r
@@ -69,7 +72,10 @@ class RouterMetrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "tandem:router_in_flight_requests", "Requests in flight per endpoint", ["role", "endpoint"], registry=r
+            "tandem:router_in_flight_requests",
+            "Requests in flight per endpoint",
+            ["role", "endpoint"],
+            registry=r,
         )
         self.in_flight_tokens = Gauge(
             "tandem:router_in_flight_tokens",
@@ -78,7 +84,10 @@ class RouterMetrics:
             registry=r,
         )
         self.healthy = Gauge(
-            "tandem:router_endpoint_healthy", "1 when the endpoint is admitted", ["role", "endpoint"], registry=r
+            "tandem:router_endpoint_healthy",
+            "1 when the endpoint is admitted",
+            ["role", "endpoint"],
+            registry=r,
         )
         self.prefix_hit_ratio = Histogram(
             "tandem:router_prefix_match_ratio",

@@ -9,7 +9,6 @@ that fails or returns no params falls back to local prefill: the client still ge
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -53,8 +52,10 @@ async def run_prefill(
     try:
         body = await up.resp.read()
         status = up.resp.status
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        logger.warning("prefill endpoint %s failed mid-answer, decode prefills locally: %s", up.endpoint.url, e)
+    except (TimeoutError, aiohttp.ClientError) as e:
+        logger.warning(
+            "prefill endpoint %s failed mid-answer, decode prefills locally: %s", up.endpoint.url, e
+        )
         return None
     finally:
         up.close()

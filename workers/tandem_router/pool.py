@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from tandem_router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"  # a decode engine, or a colocated one when there is no prefill pool
 

@@ -34,7 +34,9 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, type_: str = "router_error", param: str | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, type_: str = "router_error", param: str | None = None
+) -> web.Response:
     return web.json_response(error_body(status, message, type_, param), status=status)
 
 
@@ -49,7 +51,9 @@ class NoEndpoint(Exception):
     def response(self) -> web.Response:
         if self.body is not None and self.status != 503:
             return web.Response(body=self.body, status=self.status, content_type="application/json")
-        return error_response(self.status, str(self), "service_unavailable" if self.status == 503 else "upstream_error")
+        return error_response(
+            self.status, str(self), "service_unavailable" if self.status == 503 else "upstream_error"
+        )
 
 
 @dataclass
@@ -112,21 +116,25 @@ async def open_upstream(
         except asyncio.CancelledError:
             router.release(ep, tokens)
             raise
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as e:
+        except (
+            aiohttp.ClientConnectorError,
+            aiohttp.ConnectionTimeoutError,
+            aiohttp.ServerDisconnectedError,
+        ) as e:
             # Refused, unreachable or dropped before answering: nothing reached the client, so try another.
             router.release(ep, tokens)
             metrics.upstream_requests.labels(role, ep.url, "connect_error").inc()
             pool.eject(ep, f"{type(e).__name__}: {e}")
             last = NoEndpoint(f"{role} endpoint {ep.url} failed: {type(e).__name__}", 502)
             continue
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             router.release(ep, tokens)
             metrics.upstream_requests.labels(role, ep.url, "timeout").inc()
             raise NoEndpoint(f"{role} endpoint {ep.url} did not answer: {type(e).__name__}", 504) from e
         if resp.status in RETRYABLE_STATUS:
             try:
                 body = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 body = b""
             finally:
                 resp.close()
@@ -158,10 +166,12 @@ async def relay(
         if resp.content_type != "text/event-stream":
             try:
                 body = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 metrics.upstream_requests.labels(role, ep.url, "broken").inc()
                 router.pool(ep.role).eject(ep, f"answer cut off: {type(e).__name__}")
-                return error_response(502, f"endpoint {ep.url} failed mid-answer: {type(e).__name__}", "upstream_error")
+                return error_response(
+                    502, f"endpoint {ep.url} failed mid-answer: {type(e).__name__}", "upstream_error"
+                )
             metrics.ttft.labels(ep.url).observe(time.perf_counter() - t_start)
             metrics.upstream_requests.labels(role, ep.url, str(resp.status)).inc()
             return web.Response(
@@ -172,7 +182,11 @@ async def relay(
             )
         out = web.StreamResponse(
             status=resp.status,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id},
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+            },
         )
         await out.prepare(request)
         first = True
@@ -186,8 +200,10 @@ async def relay(
             logger.warning("endpoint %s died mid-stream (request %s): %s", ep.url, request_id, e)
             metrics.upstream_requests.labels(role, ep.url, "broken").inc()
             router.pool(ep.role).eject(ep, f"stream cut off: {type(e).__name__}")
-            await out.write(sse_error(502, f"the engine serving this request failed mid-stream ({type(e).__name__})"))
-        except (asyncio.TimeoutError, aiohttp.SocketTimeoutError):
+            await out.write(
+                sse_error(502, f"the engine serving this request failed mid-stream ({type(e).__name__})")
+            )
+        except (TimeoutError, aiohttp.SocketTimeoutError):
             metrics.upstream_requests.labels(role, ep.url, "timeout").inc()
             await out.write(sse_error(504, "the engine serving this request stopped sending"))
         else:

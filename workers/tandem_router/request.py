@@ -59,7 +59,9 @@ def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
             raise BadRequest("'messages' must be a list", "messages")
         # The role and content of every message, in order: what the chat template renders, minus markup.
         text = "".join(
-            f"<{m.get('role', '')}>{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
+            f"<{m.get('role', '')}>{_content_text(m.get('content'))}\n"
+            for m in messages
+            if isinstance(m, dict)
         )
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:

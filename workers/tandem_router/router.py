@@ -78,8 +78,10 @@ class Router:
         role = pool.role.value
         self.metrics.routing_decisions.labels(role, policy.name, d.endpoint.url, d.reason).inc()
         if rreq.block_hashes:
-            matched = d.matches.get(d.endpoint.url, 0) if d.matches else pool.index.match(rreq.block_hashes).get(
-                d.endpoint.url, 0
+            matched = (
+                d.matches.get(d.endpoint.url, 0)
+                if d.matches
+                else pool.index.match(rreq.block_hashes).get(d.endpoint.url, 0)
             )
             d.matched_blocks = matched
             self.metrics.prefix_hit_ratio.labels(role).observe(matched / len(rreq.block_hashes))

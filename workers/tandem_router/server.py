@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from tandem_router.config import RouterConfig
 from tandem_router.pd import ClientErrorFromPrefill, open_pd
@@ -25,7 +26,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _auth_middleware(api_key: str) -> Middleware:
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
@@ -34,8 +35,14 @@ def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return web.json_response(
-                    {"error": {"message": "invalid or missing API key", "type": "invalid_request_error",
-                               "param": None, "code": "invalid_api_key"}},
+                    {
+                        "error": {
+                            "message": "invalid or missing API key",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "invalid_api_key",
+                        }
+                    },
                     status=401,
                 )
         return await handler(request)
@@ -88,8 +95,15 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     data = await request.read() if request.method == "POST" else None
     headers = {"Content-Type": "application/json"} if data is not None else {}
     try:
-        up = await open_upstream(router, router.decode, request.path, data or b"", RoutingRequest([], 0, 0),
-                                 headers, method=request.method)
+        up = await open_upstream(
+            router,
+            router.decode,
+            request.path,
+            data or b"",
+            RoutingRequest([], 0, 0),
+            headers,
+            method=request.method,
+        )
     except NoEndpoint as e:
         return e.response()
     return await relay(router, request, up, request.headers.get("X-Request-Id", ""), time.perf_counter())
@@ -111,7 +125,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(config: RouterConfig) -> web.Application:
-    middlewares = [_auth_middleware(config.api_key)] if config.api_key else []
+    middlewares: list[Middleware] = [_auth_middleware(config.api_key)] if config.api_key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     router = Router(config)
     app[ROUTER_KEY] = router
@@ -140,8 +154,7 @@ async def start_server(config: RouterConfig) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     await site.start()
-    server = site._server
     port = config.port
-    if server is not None and getattr(server, "sockets", None):
-        port = server.sockets[0].getsockname()[1]
+    for addr in runner.addresses:  # the bound port, when config.port was 0
+        port = int(addr[1])
     return runner, port

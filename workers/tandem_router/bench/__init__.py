@@ -18,24 +18,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench", description="Benchmark an OpenAI-compatible endpoint.")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first id of /v1/models")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default=None,
-                   help="default: completions for random, chat for shared-prefix")
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default=None,
+        help="default: completions for random, chat for shared-prefix",
+    )
     p.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
-    p.add_argument("--concurrency", type=int, default=None, help="sessions in flight (default 1 without a rate)")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="sessions in flight (default 1 without a rate)"
+    )
     p.add_argument("--request-rate", type=float, default=None, help="sessions started per second (Poisson)")
     p.add_argument("--num-prompts", type=int, default=50, help="random: number of requests")
     p.add_argument("--input-len", type=int, default=128, help="random: prompt length (~tokens)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [(1-r)*len, len]")
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="random: lengths uniform in [(1-r)*len, len]"
+    )
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
     p.add_argument("--users-per-group", type=int, default=4, help="shared-prefix: conversations per prompt")
     p.add_argument("--turns", type=int, default=3, help="shared-prefix: turns per conversation")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt length (~tokens)")
+    p.add_argument(
+        "--prefix-len", type=int, default=512, help="shared-prefix: system prompt length (~tokens)"
+    )
     p.add_argument("--turn-len", type=int, default=32, help="shared-prefix: user message length (~tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--engine-metrics", default="", help="engine URLs whose vllm:prefix_cache_* counters to "
-                   "diff for the hit rate, comma-separated")
+    p.add_argument(
+        "--engine-metrics",
+        default="",
+        help="engine URLs whose vllm:prefix_cache_* counters to diff for the hit rate, comma-separated",
+    )
     p.add_argument("--label", default="", help="a name for this run in the JSON and the plot")
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="draw a PNG here")
@@ -65,8 +78,12 @@ async def bench(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
         summary["prefix_cache_hit_rate"] = summary["prefix_cache_hits"] / queries if queries else 0.0
     config = {k: v for k, v in vars(a).items() if k not in ("api_key",)}
     config.update(model=model, endpoint=endpoint, url=url)
-    return {"label": a.label, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config,
-            "summary": summary}, records
+    return {
+        "label": a.label,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": config,
+        "summary": summary,
+    }, records
 
 
 def main(argv: list[str]) -> int:

@@ -46,11 +46,20 @@ class Target:
 
 
 async def one_request(
-    http: aiohttp.ClientSession, target: Target, messages: list[dict[str, str]], prompt: str, rec: Record, t0: float
+    http: aiohttp.ClientSession,
+    target: Target,
+    messages: list[dict[str, str]],
+    prompt: str,
+    rec: Record,
+    t0: float,
 ) -> None:
     body: dict[str, Any] = {
-        "model": target.model, "max_tokens": target.output_len, "temperature": 0.0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "model": target.model,
+        "max_tokens": target.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
     }
     if target.endpoint == "chat":
         body["messages"] = messages
@@ -65,8 +74,9 @@ async def one_request(
     pieces: list[str] = []
     chunks = 0
     try:
-        async with http.post(target.url + path, json=body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=target.timeout)) as resp:
+        async with http.post(
+            target.url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=target.timeout)
+        ) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -82,8 +92,11 @@ async def one_request(
                     rec.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     rec.output_tokens = data["usage"].get("completion_tokens", 0)
                 for choice in data.get("choices") or []:
-                    piece = choice.get("text") if target.endpoint != "chat" else (choice.get("delta") or {}).get(
-                        "content")
+                    piece = (
+                        choice.get("text")
+                        if target.endpoint != "chat"
+                        else (choice.get("delta") or {}).get("content")
+                    )
                     if not piece:
                         continue
                     now = time.perf_counter()
@@ -100,18 +113,23 @@ async def one_request(
         rec.ok = chunks > 0
         if not rec.ok:
             rec.error = "no tokens"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def run_session(http: aiohttp.ClientSession, target: Target, sess: Session, t0: float,
-                      records: list[Record]) -> None:
+async def run_session(
+    http: aiohttp.ClientSession, target: Target, sess: Session, t0: float, records: list[Record]
+) -> None:
     history: list[dict[str, str]] = []
     for turn, user in enumerate(sess.turns):
-        messages = ([{"role": "system", "content": sess.system}] if sess.system else []) + history + [
-            {"role": "user", "content": user}]
-        prompt = (sess.system + "\n" if sess.system else "") + "".join(
-            f"{m['content']}\n" for m in history) + user
+        messages = (
+            ([{"role": "system", "content": sess.system}] if sess.system else [])
+            + history
+            + [{"role": "user", "content": user}]
+        )
+        prompt = (
+            (sess.system + "\n" if sess.system else "") + "".join(f"{m['content']}\n" for m in history) + user
+        )
         rec = Record(start=0.0, group=sess.group, turn=turn)
         records.append(rec)
         await one_request(http, target, messages, prompt, rec, t0)
@@ -120,8 +138,9 @@ async def run_session(http: aiohttp.ClientSession, target: Target, sess: Session
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": rec.text}]
 
 
-async def run(target: Target, sessions: list[Session], concurrency: int | None, request_rate: float | None,
-              seed: int) -> tuple[list[Record], float]:
+async def run(
+    target: Target, sessions: list[Session], concurrency: int | None, request_rate: float | None, seed: int
+) -> tuple[list[Record], float]:
     """Sessions start at a Poisson `request_rate` (per second), or `concurrency` run at once."""
     records: list[Record] = []
     connector = aiohttp.TCPConnector(limit=0)

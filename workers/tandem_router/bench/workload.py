@@ -19,7 +19,8 @@ WORDS = (
     "good new first last long great little own other old big high different small large next early young "
     "important few public bad same able make know take see come think look want give use find tell ask seem "
     "feel try leave call keep let begin show hear play run move like live believe hold bring happen write "
-    "provide sit stand lose pay meet include continue set learn lead understand watch follow stop create speak "
+    "provide sit stand lose pay meet include continue set learn lead understand watch follow stop create "
+    "speak "
     "read allow add spend grow open walk win offer remember love consider appear buy wait serve die send "
     "expect build stay fall cut reach kill remain suggest raise pass sell require report decide pull"
 ).split()
@@ -56,8 +57,10 @@ def shared_prefix_sessions(
     rng = random.Random(seed)
     systems = [f"[app {g}] " + words(rng, prefix_len) for g in range(num_groups)]
     by_group = [
-        [Session(group=g, system=systems[g], turns=[words(rng, turn_len) for _ in range(turns)])
-         for _ in range(users_per_group)]
+        [
+            Session(group=g, system=systems[g], turns=[words(rng, turn_len) for _ in range(turns)])
+            for _ in range(users_per_group)
+        ]
         for g in range(num_groups)
     ]
     order = [s for u in range(users_per_group) for g in range(num_groups) for s in [by_group[g][u]]]
