@@ -273,7 +273,8 @@ def test_kernels_compile_for_sm90() -> None:
     def compile_for_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any]) -> None:
         # Unlisted arguments are integer strides and counts.
         sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": tk.FP_FUSION})
 
     act = "*bf16"
     cache = {"k_cache_ptr": act, "v_cache_ptr": act}

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Fused multiply-add on, stated explicitly: triton 3.10 flips the default (3.9 warns about it).
+FP_FUSION = True
 
 
 @triton.jit
@@ -283,6 +285,7 @@ def store_kv(
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
 
 
@@ -351,6 +354,7 @@ def unified_attention(
         TILE_N=tile_n,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION=precision,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_q_heads)](
@@ -360,4 +364,5 @@ def unified_attention(
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
             NUM_SEGMENTS=num_segments,
+            enable_fp_fusion=FP_FUSION,
         )  # fmt: skip
