@@ -203,12 +203,14 @@ def interpreter() -> Iterator[ProcessPoolExecutor]:
 
 
 CPU_CASES = {
-    "decode": Case(query_lens=(1, 1, 1), seq_lens=(1, 17, 40)),
+    "decode": Case(query_lens=(1, 1, 1, 1), seq_lens=(1, 17, 32, 40)),
     "prefill": Case(query_lens=(13, 32), seq_lens=(13, 32)),
     "prefill_with_context": Case(query_lens=(7, 20), seq_lens=(30, 53)),
     "mixed_with_padding": Case(query_lens=(1, 9, 1, 20), seq_lens=(25, 9, 48, 37), num_padding_rows=3),
     "gqa_9_3_mixed": Case(query_lens=(1, 6, 11), seq_lens=(33, 6, 27), num_q_heads=9, num_kv_heads=3),
-    "mha_2_2": Case(query_lens=(5, 1), seq_lens=(21, 16), num_q_heads=2, num_kv_heads=2),
+    "mha_2_2_block_8": Case(
+        query_lens=(5, 1), seq_lens=(21, 16), num_q_heads=2, num_kv_heads=2, block_size=8
+    ),
     "split_kv_decode": Case(query_lens=(1, 1, 1), seq_lens=(3, 50, 97), split_kv=True),
     "split_kv_mixed_gqa_9_3": Case(
         query_lens=(1, 12), seq_lens=(70, 30), num_q_heads=9, num_kv_heads=3, split_kv=True
