@@ -1,0 +1,105 @@
+"""Command lines of the engine (`tandem serve`) and router (`tandem route`), rendered from the spec.
+
+Prefill and decode get their flags from one function: everything that must match between the two
+roles (model, dtype, block size, max model length, scheduler limits, side-channel port) comes from
+the same typed fields, and only `--role` differs. The shared settings are also written to the
+engine ConfigMap, whose hash rolls every engine pod when one of them changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tandem_operator.naming import LABEL_ISVC, Role, service_host
+from tandem_operator.spec import ROUTER_POLICIES, InferenceServiceSpec
+
+MODEL_DIR = "/models"
+
+
+def model_path(spec: InferenceServiceSpec) -> str:
+    """What the engine's `--model` gets: a path inside the pod, or the alias as is."""
+    uri = spec.model.uri
+    if uri.startswith("pvc://"):
+        _, _, sub = uri.removeprefix("pvc://").partition("/")
+        return f"{MODEL_DIR}/{sub}".rstrip("/")
+    if uri.startswith("hf://"):
+        return f"{MODEL_DIR}/{uri.removeprefix('hf://')}"
+    return uri
+
+
+def engine_role_flag(spec: InferenceServiceSpec, role: Role) -> str:
+    if not spec.disaggregated:
+        return "both"
+    return "prefill" if role is Role.PREFILL else "decode"
+
+
+def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
+    """The flags prefill and decode must agree on, in a fixed order."""
+    e = spec.engine
+    args = [
+        "--model", model_path(spec),
+        "--host", "0.0.0.0",
+        "--port", str(e.port),
+        "--dtype", e.dtype,
+        "--max-model-len", str(e.max_model_len),
+        "--block-size", str(e.block_size),
+    ]
+    if e.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if spec.disaggregated and spec.kv_transfer is not None:
+        args += ["--kv-side-channel-port", str(spec.kv_transfer.side_channel_port)]
+    return args
+
+
+def engine_command(spec: InferenceServiceSpec, role: Role) -> list[str]:
+    return ["tandem", "serve", *shared_engine_args(spec), "--role", engine_role_flag(spec, role),
+            *spec.engine.extra_args]
+
+
+def router_command(spec: InferenceServiceSpec) -> list[str]:
+    r = spec.router
+    port = spec.engine.port
+    decode = f"http://{service_host(spec.name, spec.namespace, Role.DECODE)}:{port}"
+    args = ["tandem", "route", "--host", "0.0.0.0", "--port", str(r.port), "--decode", decode]
+    if spec.disaggregated:
+        args += ["--prefill", f"http://{service_host(spec.name, spec.namespace, Role.PREFILL)}:{port}"]
+    args += ["--policy", ROUTER_POLICIES[r.policy]]
+    if r.discovery == "Kubernetes":
+        # The router adds the role label itself, per pool.
+        args += ["--discovery", "kubernetes", "--namespace", spec.namespace,
+                 "--selector", f"{LABEL_ISVC}={spec.name}"]
+    else:
+        args += ["--discovery", "static"]
+    return args
+
+
+def engine_config(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The rendered engine configuration shared by every engine pod of the service."""
+    e = spec.engine
+    kv = spec.kv_transfer
+    return {
+        "model": {"uri": spec.model.uri, "path": model_path(spec), "servedName": spec.model.served_name,
+                  "revision": spec.model.revision},
+        "engine": {"dtype": e.dtype, "blockSize": e.block_size, "maxModelLen": e.max_model_len,
+                   "maxNumSeqs": e.max_num_seqs, "maxNumBatchedTokens": e.max_num_batched_tokens,
+                   "port": e.port, "extraArgs": list(e.extra_args)},
+        "kvTransfer": None if kv is None or not spec.disaggregated else {
+            "connector": kv.connector, "sideChannelPort": kv.side_channel_port,
+            "ucxTransports": kv.ucx_transports, "ucxNetDevices": kv.ucx_net_devices,
+        },
+        "mode": "disaggregated" if spec.disaggregated else "colocated",
+        "args": {role.value: engine_command(spec, role) for role in (Role.PREFILL, Role.DECODE)
+                 if role is Role.DECODE or spec.disaggregated},
+    }
+
+
+def config_json(spec: InferenceServiceSpec) -> str:
+    return json.dumps(engine_config(spec), indent=2, sort_keys=True)
+
+
+def config_hash(spec: InferenceServiceSpec) -> str:
+    return hashlib.sha256(config_json(spec).encode()).hexdigest()[:16]

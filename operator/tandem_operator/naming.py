@@ -1,0 +1,60 @@
+"""Deterministic child names and the labels every child and pod carries (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from tandem_operator import GROUP
+
+LABEL_ISVC = f"{GROUP}/inferenceservice"
+LABEL_ROLE = f"{GROUP}/role"
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+MANAGED_BY = "tandem-operator"
+
+# A name this long keeps every child name (longest suffix: "-engine-config") within 63 characters.
+MAX_NAME_LENGTH = 40
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
+
+
+def workload_name(isvc: str, role: Role) -> str:
+    """Name of a role's Deployment; its Service has the same name."""
+    return f"{isvc}-{role.value}"
+
+
+def config_name(isvc: str) -> str:
+    return f"{isvc}-engine-config"
+
+
+def router_account_name(isvc: str) -> str:
+    """ServiceAccount, Role and RoleBinding of the router share this name."""
+    return f"{isvc}-router"
+
+
+def selector_labels(isvc: str, role: Role) -> dict[str, str]:
+    """The labels a role's Deployment and Service select pods by (immutable once created)."""
+    return {LABEL_ISVC: isvc, LABEL_ROLE: role.value}
+
+
+def child_labels(isvc: str, role: Role | None) -> dict[str, str]:
+    labels = {
+        LABEL_ISVC: isvc,
+        "app.kubernetes.io/name": "tandem",
+        "app.kubernetes.io/instance": isvc,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+    if role is not None:
+        labels[LABEL_ROLE] = role.value
+        labels["app.kubernetes.io/component"] = role.value
+    return labels
+
+
+def service_host(isvc: str, namespace: str, role: Role) -> str:
+    return f"{workload_name(isvc, role)}.{namespace}.svc"

@@ -1,0 +1,123 @@
+"""Pure builders of the non-workload children: engine ConfigMap, Services, router RBAC; and the full set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem_operator.args import config_hash, config_json
+from tandem_operator.naming import (
+    ENGINE_ROLES, LABEL_ISVC, Role, child_labels, config_name, router_account_name, selector_labels,
+    workload_name,
+)
+from tandem_operator.spec import InferenceServiceSpec
+from tandem_operator.workloads import build_engine_deployment, build_router_deployment
+
+
+def _meta(spec: InferenceServiceSpec, name: str, role: Role | None) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.namespace, "labels": child_labels(spec.name, role)}
+
+
+def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The rendered engine config shared by prefill and decode (mounted at /etc/tandem)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(spec, config_name(spec.name), None),
+        "data": {"engine-config.json": config_json(spec), "config-hash": config_hash(spec)},
+    }
+
+
+def build_engine_service(spec: InferenceServiceSpec, role: Role) -> dict[str, Any]:
+    """A headless Service per engine role; its EndpointSlices inherit the labels the router selects on."""
+    ports: list[dict[str, Any]] = [
+        {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}]
+    if spec.disaggregated and spec.kv_transfer is not None:
+        ports.append({"name": "kv-side", "port": spec.kv_transfer.side_channel_port, "targetPort": "kv-side",
+                      "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, workload_name(spec.name, role), role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector_labels(spec.name, role),
+            "ports": ports,
+        },
+    }
+
+
+def build_router_service(spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, workload_name(spec.name, Role.ROUTER), Role.ROUTER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec.name, Role.ROUTER),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_url(spec: InferenceServiceSpec) -> str:
+    return f"http://{workload_name(spec.name, Role.ROUTER)}.{spec.namespace}.svc"
+
+
+def build_router_service_account(spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(spec, router_account_name(spec.name), Role.ROUTER),
+        "automountServiceAccountToken": False,
+    }
+
+
+def build_router_role(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The router may only read EndpointSlices in its own namespace."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(spec, router_account_name(spec.name), Role.ROUTER),
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def build_router_role_binding(spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = router_account_name(spec.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(spec, name, Role.ROUTER),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
+    }
+
+
+def build_children(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """Every child the service should have, in creation order (config and RBAC before workloads)."""
+    digest = config_hash(spec)
+    roles = [role for role in ENGINE_ROLES if role is Role.DECODE or spec.disaggregated]
+    children: list[dict[str, Any]] = [build_config_map(spec)]
+    if spec.router.discovery == "Kubernetes":
+        children += [build_router_service_account(spec), build_router_role(spec), build_router_role_binding(spec)]
+    else:
+        # Static discovery needs no API access, but the pod still names its ServiceAccount.
+        children.append(build_router_service_account(spec))
+    children += [build_engine_service(spec, role) for role in roles]
+    children.append(build_router_service(spec))
+    children += [build_engine_deployment(spec, role, digest) for role in roles]
+    children.append(build_router_deployment(spec))
+    return children
+
+
+def child_key(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def owner_of(obj: dict[str, Any]) -> str | None:
+    """Name of the InferenceService a child belongs to, from its label."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    value = labels.get(LABEL_ISVC)
+    return value if isinstance(value, str) else None

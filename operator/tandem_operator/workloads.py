@@ -1,0 +1,228 @@
+"""Pure builders of the engine and router Deployments (no API calls, no kopf)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from tandem_operator.args import MODEL_DIR, engine_command, router_command
+from tandem_operator.naming import (
+    ANNOTATION_CONFIG_HASH, Role, child_labels, config_name, router_account_name, selector_labels,
+    workload_name,
+)
+from tandem_operator.spec import InferenceServiceSpec, RoleSpec
+
+PRESTOP_SECONDS = 5  # long enough for endpoint removal to reach the router before SIGTERM
+RUN_AS = 10001
+ENGINE_CONTAINER = "engine"
+ROUTER_CONTAINER = "router"
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "privileged": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def http_probe(port_name: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout, "successThreshold": 1}
+
+
+def prestop_drain() -> dict[str, Any]:
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}}
+
+
+def merge_overrides(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Merge a partial pod template into ours: maps recursively, lists of named items by name."""
+    result = copy.deepcopy(base)
+    for key, value in override.items():
+        current = result.get(key)
+        if isinstance(current, dict) and isinstance(value, dict):
+            result[key] = merge_overrides(current, value)
+        elif isinstance(current, list) and isinstance(value, list) and _named(current) and _named(value):
+            merged = {item["name"]: item for item in current}
+            for item in value:
+                merged[item["name"]] = merge_overrides(merged.get(item["name"], {}), item)
+            result[key] = list(merged.values())
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def _named(items: list[Any]) -> bool:
+    return all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items)
+
+
+def _engine_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "engine-config", "configMap": {"name": config_name(spec.name)}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": "/cache"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "engine-config", "mountPath": "/etc/tandem", "readOnly": True},
+    ]
+    uri = spec.model.uri
+    if uri.startswith("pvc://"):
+        claim = uri.removeprefix("pvc://").partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    elif uri.startswith("hf://"):
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "TANDEM_SERVED_MODEL_NAME", "value": spec.model.served_name},
+    ]
+    kv = spec.kv_transfer
+    if spec.disaggregated and kv is not None:
+        env.append({"name": "TANDEM_KV_CONNECTOR", "value": kv.connector})
+        if kv.ucx_transports:
+            env.append({"name": "UCX_TLS", "value": kv.ucx_transports})
+        if kv.ucx_net_devices:
+            env.append({"name": "UCX_NET_DEVICES", "value": kv.ucx_net_devices})
+    env.extend(copy.deepcopy(list(spec.engine.env)))
+    return env
+
+
+def _model_download(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """An init container that fetches an hf:// model into the pod before the engine starts."""
+    if not spec.model.uri.startswith("hf://"):
+        return []
+    repo = spec.model.uri.removeprefix("hf://")
+    args = ["download", repo, "--local-dir", f"{MODEL_DIR}/{repo}"]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/cache/huggingface"}]
+    if spec.model.auth_secret_name:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": spec.model.auth_secret_name, "key": "token"}}})
+    return [{
+        "name": "model-download", "image": spec.engine.image, "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["hf"], "args": args, "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "cache", "mountPath": "/cache"}],
+        "securityContext": container_security_context(),
+    }]
+
+
+def _deployment(spec: InferenceServiceSpec, role: Role, replicas: int, pod: dict[str, Any],
+                progress_deadline: int) -> dict[str, Any]:
+    name = workload_name(spec.name, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": spec.namespace, "labels": child_labels(spec.name, role)},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(spec.name, role)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": progress_deadline,
+            "template": pod,
+        },
+    }
+
+
+def _finish_pod(spec: InferenceServiceSpec, role: Role, pod: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = merge_overrides(pod, overrides)
+    # Overrides may add labels but never change the ones the selector and the router rely on.
+    merged.setdefault("metadata", {}).setdefault("labels", {}).update(child_labels(spec.name, role))
+    return merged
+
+
+def build_engine_deployment(spec: InferenceServiceSpec, role: Role, config_hash: str) -> dict[str, Any]:
+    """The Deployment of the prefill or decode engines (decode runs `--role both` when colocated)."""
+    role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
+    command = engine_command(spec, role)
+    volumes, mounts = _engine_volumes(spec)
+    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
+    if spec.disaggregated and spec.kv_transfer is not None:
+        ports.append({"name": "kv-side", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": command[:1],
+        "args": command[1:],
+        "ports": ports,
+        "env": _engine_env(spec),
+        "volumeMounts": mounts,
+        "startupProbe": http_probe("http", period=10, failures=math.ceil(role_spec.startup_seconds / 10), timeout=5),
+        "readinessProbe": http_probe("http", period=5, failures=2),
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6,
+                          "timeoutSeconds": 3},
+        "lifecycle": prestop_drain(),
+        "securityContext": container_security_context(),
+    }
+    if role_spec.resources:
+        container["resources"] = copy.deepcopy(role_spec.resources)
+    pod: dict[str, Any] = {
+        "metadata": {"labels": child_labels(spec.name, role), "annotations": {ANNOTATION_CONFIG_HASH: config_hash}},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": PRESTOP_SECONDS + role_spec.drain_seconds + 5,
+            "securityContext": pod_security_context(),
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    init = _model_download(spec)
+    if init:
+        pod["spec"]["initContainers"] = init
+    pod = _finish_pod(spec, role, pod, role_spec.pod_template)
+    return _deployment(spec, role, role_spec.replicas, pod, progress_deadline=role_spec.startup_seconds + 600)
+
+
+def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.router
+    command = router_command(spec)
+    container: dict[str, Any] = {
+        "name": ROUTER_CONTAINER,
+        "image": r.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": command[:1],
+        "args": command[1:],
+        "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "startupProbe": http_probe("http", period=2, failures=60),
+        "readinessProbe": http_probe("http", period=5, failures=2),
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3,
+                          "timeoutSeconds": 3},
+        "lifecycle": prestop_drain(),
+        "securityContext": container_security_context(),
+    }
+    if r.resources:
+        container["resources"] = copy.deepcopy(r.resources)
+    pod: dict[str, Any] = {
+        "metadata": {"labels": child_labels(spec.name, Role.ROUTER)},
+        "spec": {
+            "serviceAccountName": router_account_name(spec.name),
+            "automountServiceAccountToken": r.discovery == "Kubernetes",
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": PRESTOP_SECONDS + 30,
+            "securityContext": pod_security_context(),
+            "containers": [container],
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
+        },
+    }
+    pod = _finish_pod(spec, Role.ROUTER, pod, r.pod_template)
+    return _deployment(spec, Role.ROUTER, r.replicas, pod, progress_deadline=600)
