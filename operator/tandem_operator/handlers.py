@@ -47,7 +47,6 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING
-    settings.batching.batch_window = float(os.environ.get("TANDEM_OPERATOR_BATCH_WINDOW", "0.05"))
     settings.watching.server_timeout = 300
     if os.environ.get("TANDEM_OPERATOR_NO_SCANNING") == "1":
         # Namespace-scoped RBAC cannot list CRDs or namespaces cluster-wide.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ def crd_schema() -> dict[str, Any]:
 
 def prepare(emulator: kmock.KubernetesEmulator) -> None:
     """Declare the builtin resources and our CRD's resource the way discovery would show them."""
-    emulator.resources.load_bundled()
+    with warnings.catch_warnings():  # kmock 0.8 uses a deprecated importlib.resources call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        emulator.resources.load_bundled()
     emulator.resources["serving.tandem.dev/v1alpha1/inferenceservices"] = kmock.ResourceInfo(
         kind="InferenceService", singular="inferenceservice", shortnames={"tisvc"}, namespaced=True,
         verbs={"list", "watch", "get", "create", "patch", "delete"}, subresources={"status"})

@@ -112,8 +112,9 @@ class RealisticEmulator(kmock.KubernetesEmulator):
         meta["resourceVersion"] = self._next_revision()
         if "spec" in body and request.subresource is None:
             current = self._current(request)
-            if current is not None and _spec_changes(current.get("spec") or {}, body["spec"]):
-                meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+            raw = current.raw if current is not None else None
+            if raw is not None and _spec_changes(raw.get("spec") or {}, body["spec"]):
+                meta["generation"] = int(raw.get("metadata", {}).get("generation", 1)) + 1
 
     def _prepare_delete(self, request: rendering.Request) -> None:
         current = self._current(request)

@@ -1,0 +1,212 @@
+"""Pure unit tests of the manifest builders; every rendered child is checked against the official
+Kubernetes schemas (kubernetes-validate, strict) for the oldest and newest versions we support."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import kopf
+import kubernetes_validate
+import pytest
+from isvc_utils import example
+
+from tandem_operator.args import config_hash, engine_command, router_command, shared_engine_args
+from tandem_operator.naming import LABEL_ISVC, LABEL_ROLE, Role
+from tandem_operator.resources import build_children, build_engine_service, build_router_role
+from tandem_operator.spec import SpecError, parse_spec
+from tandem_operator.workloads import build_engine_deployment, build_router_deployment, merge_overrides
+
+K8S_VERSIONS = ("1.28", "1.37")
+
+
+def body(name: str = "disaggregated", **spec: Any) -> dict[str, Any]:
+    obj = example(name, namespace="team-a")
+    obj["metadata"]["uid"] = "0b6b3c8e-0000-4000-8000-000000000001"
+    for key, value in spec.items():
+        obj["spec"][key] = value
+    return obj
+
+
+def rendered(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    children = build_children(parse_spec(obj))
+    kopf.adopt(children, owner=obj, strict=True)  # type: ignore[arg-type]
+    return children
+
+
+VARIANTS = {
+    "disaggregated": body(),
+    "colocated": body("colocated"),
+    "hf-static-router": body(model={"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "12fd25f",
+                                    "authSecretName": "hf-token"},
+                             router={"discovery": "Static", "policy": "SessionAffinity"}),
+    "pvc-overrides": body(model={"uri": "pvc://models/llama/3.1-8b"},
+                          decode={"replicas": 3, "podTemplate": {
+                              "metadata": {"labels": {"team": "a", LABEL_ROLE: "hijack"}},
+                              "spec": {"nodeSelector": {"gpu": "h200"},
+                                       "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                                       "containers": [{"name": "engine", "env": [{"name": "X", "value": "1"}]}]}},
+                                  "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}}}),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS.keys())
+def test_every_child_is_valid_kubernetes(variant: str) -> None:
+    children = rendered(VARIANTS[variant])
+    assert children
+    for child in children:
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(child, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{child['kind']}/{child['metadata']['name']} invalid for {version}: "
+                            f"{'.'.join(map(str, exc.path))}: {exc.message}")
+
+
+def test_validation_can_fail() -> None:
+    """The schema check above is real: a typo'd container field is refused in strict mode."""
+    dep = copy.deepcopy(build_router_deployment(parse_spec(body())))
+    dep["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, "1.37", strict=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS.keys())
+def test_names_labels_and_owner(variant: str) -> None:
+    obj = VARIANTS[variant]
+    name = obj["metadata"]["name"]
+    children = rendered(obj)
+    assert rendered(obj) == children  # deterministic
+    for child in children:
+        meta = child["metadata"]
+        assert meta["name"].startswith(f"{name}-") and meta["namespace"] == "team-a"
+        assert meta["labels"][LABEL_ISVC] == name
+        assert meta["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+        if child["kind"] == "Deployment":
+            role = meta["labels"][LABEL_ROLE]
+            pod_labels = child["spec"]["template"]["metadata"]["labels"]
+            assert pod_labels[LABEL_ISVC] == name and pod_labels[LABEL_ROLE] == role
+            assert child["spec"]["selector"]["matchLabels"] == {LABEL_ISVC: name, LABEL_ROLE: role}
+    kinds = sorted(c["kind"] for c in children)
+    assert kinds.count("Deployment") == (3 if parse_spec(obj).disaggregated else 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS.keys())
+def test_pods_are_hardened(variant: str) -> None:
+    for child in rendered(VARIANTS[variant]):
+        if child["kind"] != "Deployment":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["readOnlyRootFilesystem"] is True
+        main = pod["containers"][0]
+        assert main["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert main["startupProbe"]["httpGet"]["path"] == "/health"
+        assert main["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] > 5
+        is_router = child["metadata"]["labels"][LABEL_ROLE] == "router"
+        assert pod["automountServiceAccountToken"] is (is_router and "--discovery" in main["args"]
+                                                       and "kubernetes" in main["args"])
+
+
+def test_prefill_and_decode_cannot_disagree() -> None:
+    spec = parse_spec(body())
+    prefill, decode = engine_command(spec, Role.PREFILL), engine_command(spec, Role.DECODE)
+    shared = shared_engine_args(spec)
+    assert prefill[:2] == decode[:2] == ["tandem", "serve"]
+    assert prefill[2:2 + len(shared)] == decode[2:2 + len(shared)] == shared
+    assert prefill[2 + len(shared):] == ["--role", "prefill"] and decode[2 + len(shared):] == ["--role", "decode"]
+    assert shared == ["--model", "smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16",
+                      "--max-model-len", "2048", "--block-size", "16", "--max-num-seqs", "64",
+                      "--max-num-batched-tokens", "2048", "--kv-side-channel-port", "5600"]
+    digest = config_hash(spec)
+    p_dep = build_engine_deployment(spec, Role.PREFILL, digest)
+    d_dep = build_engine_deployment(spec, Role.DECODE, digest)
+    key = "serving.tandem.dev/config-hash"
+    assert p_dep["spec"]["template"]["metadata"]["annotations"][key] == digest
+    assert d_dep["spec"]["template"]["metadata"]["annotations"][key] == digest
+    changed = parse_spec(body(engine={"blockSize": 32}))
+    assert config_hash(changed) != digest
+
+
+def test_startup_budget_and_colocated_role() -> None:
+    spec = parse_spec(body("colocated", decode={"startup": {"maxSeconds": 7200}, "replicas": 2}))
+    dep = build_engine_deployment(spec, Role.DECODE, "h")
+    probe = dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 7200
+    assert dep["spec"]["progressDeadlineSeconds"] > 7200
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--role") + 1] == "both" and "--kv-side-channel-port" not in args
+
+
+def test_router_command_lines() -> None:
+    spec = parse_spec(body())
+    assert router_command(spec) == [
+        "tandem", "route", "--host", "0.0.0.0", "--port", "8000",
+        "--decode", "http://smollm2-pd-decode.team-a.svc:8000", "--prefill", "http://smollm2-pd-prefill.team-a.svc:8000",
+        "--policy", "prefix-aware", "--discovery", "kubernetes", "--namespace", "team-a",
+        "--selector", f"{LABEL_ISVC}=smollm2-pd"]
+    static = parse_spec(body("colocated", router={"discovery": "Static"}))
+    assert router_command(static)[-2:] == ["--discovery", "static"] and "--prefill" not in router_command(static)
+
+
+def test_model_sources() -> None:
+    pvc = parse_spec(VARIANTS["pvc-overrides"])
+    dep = build_engine_deployment(pvc, Role.DECODE, "h")
+    pod = dep["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/llama/3.1-8b"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    hf = parse_spec(VARIANTS["hf-static-router"])
+    pod = build_engine_deployment(hf, Role.PREFILL, "h")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["args"][:2] == ["download", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert init["args"][-2:] == ["--revision", "12fd25f"]
+    assert any(e["name"] == "HF_TOKEN" for e in init["env"])
+
+
+def test_pod_template_overrides_merge_but_keep_selector_labels() -> None:
+    dep = build_engine_deployment(parse_spec(VARIANTS["pvc-overrides"]), Role.DECODE, "h")
+    tmpl = dep["spec"]["template"]
+    assert tmpl["metadata"]["labels"]["team"] == "a"
+    assert tmpl["metadata"]["labels"][LABEL_ROLE] == "decode"
+    assert tmpl["spec"]["nodeSelector"] == {"gpu": "h200"}
+    (container,) = tmpl["spec"]["containers"]
+    assert container["name"] == "engine" and container["args"][0] == "serve"
+    assert {"name": "X", "value": "1"} in container["env"] and any(e["name"] == "POD_IP" for e in container["env"])
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}}
+    assert merge_overrides({"a": [1, 2]}, {"a": [3]}) == {"a": [3]}
+
+
+def test_services_and_rbac() -> None:
+    spec = parse_spec(body())
+    svc = build_engine_service(spec, Role.PREFILL)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "kv-side"}
+    assert svc["metadata"]["labels"][LABEL_ROLE] == "prefill"  # EndpointSlices inherit these
+    role = build_router_role(spec)
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    config = next(c for c in build_children(spec) if c["kind"] == "ConfigMap")
+    doc = json.loads(config["data"]["engine-config.json"])
+    assert doc["engine"]["blockSize"] == 16 and doc["mode"] == "disaggregated"
+    assert doc["args"]["prefill"] == engine_command(spec, Role.PREFILL)
+
+
+def test_spec_errors_are_collected() -> None:
+    bad = body(decode={"replicas": -2}, router={"policy": "Random", "replicas": "x"},
+               engine={"extraArgs": ["--block-size", "8"], "blockSize": 12})
+    bad["spec"].pop("kvTransfer")
+    with pytest.raises(SpecError) as info:
+        parse_spec(bad)
+    text = str(info.value)
+    for needle in ("spec.decode.replicas", "spec.router.policy", "spec.router.replicas", "spec.engine.extraArgs",
+                   "spec.engine.blockSize", "spec.kvTransfer"):
+        assert needle in text
+    with pytest.raises(SpecError):
+        parse_spec({"metadata": {"name": "x"}})
