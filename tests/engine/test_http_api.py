@@ -327,6 +327,12 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None, str]] = [
     ({"prompt": LONG}, 400, "prompt", "64"),
     ({"prompt": "x" * 9, "max_tokens": 60}, 400, "max_tokens", "10 in the prompt, 60 for the completion"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed", ""),
+    ({"prompt": "hi", "top_k": 10**20}, 400, "top_k", ""),
+    ({"prompt": [10**30]}, 400, "prompt", ""),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of", ""),
+    ({"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
 ]
 
 
@@ -375,6 +381,7 @@ BAD_CHAT: list[tuple[dict[str, Any], int, str | None, str]] = [
     ({"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "64"),
     ({"messages": CHAT, "max_tokens": 60}, 400, "max_tokens", "60"),
     ({"messages": CHAT, "model": "nope"}, 404, "model", ""),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", ""),
 ]
 
 
@@ -396,6 +403,33 @@ async def test_chat_bad_input(
 async def test_body_not_a_json_object(client: httpx.AsyncClient, path: str, raw: bytes) -> None:
     resp = await client.post(path, content=raw, headers={"content-type": "application/json"})
     assert_error(resp, 400)
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "presence_penalty"])
+async def test_non_finite_floats_are_400(
+    client: httpx.AsyncClient, engine: ToyEngine, field: str, value: bytes
+) -> None:
+    raw = b'{"prompt": "hi", "%s": %s}' % (field.encode(), value)
+    resp = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(resp, 400, field)
+    assert engine.calls == []
+
+
+async def test_accepted_no_op_fields(client: httpx.AsyncClient, engine: ToyEngine) -> None:
+    body = {
+        "messages": CHAT,
+        "max_tokens": 1,
+        "tools": [{"type": "function"}],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "user": "u",
+        "unknown_field": 1,
+        "best_of": 1,
+    }
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    body = {"prompt": "hi", "max_tokens": 1, "best_of": 2, "n": 2, "seed": 2**63 - 1 - 16}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -642,6 +676,7 @@ async def test_completion_stream_framing_and_usage(client: httpx.AsyncClient) ->
     resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["cache-control"] == "no-cache"
     events = [json.loads(e) for e in sse_events(resp.text)]
     assert [e["choices"][0]["text"] for e in events] == ["a", "b", "c"]
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "length"]

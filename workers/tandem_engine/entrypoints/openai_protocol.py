@@ -29,8 +29,9 @@ def now() -> int:
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility. NaN and
+    # infinities (which Python's JSON accepts) never reach the sampler.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -50,7 +51,12 @@ class ErrorResponse(OpenAIModel):
 
 # -------------------------------------------------------------------------------------------- requests
 
-TokenId = Annotated[int, Field(ge=0)]
+# Every integer crosses to the EngineCore as msgpack (and seeds into torch): keep them in int64.
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# seed + i for the n samples must stay in range too.
+Seed = Annotated[int, Field(ge=-(2**63), le=INT64_MAX - MAX_N)]
 
 
 class StreamOptions(OpenAIModel):
@@ -61,11 +67,11 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -74,24 +80,26 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None  # accepted and ignored
 
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_transfer_params: dict[str, Any] | None = None
+    # Not served: accepted only in their no-op form ({"type": "text"}), rejected otherwise.
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: Int64 | None = None
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
     add_special_tokens: bool = True
 
 
@@ -117,11 +125,14 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    # Tool calling is not served: tools are accepted only with tool_choice "none".
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -117,6 +117,8 @@ class ChatServing:
         req = await parse_body(request, ChatCompletionRequest)
         check_model(self.engine, req.model)
         check_engine_serving(self.engine)
+        if req.tools and req.tool_choice != "none":
+            raise OpenAIError("tool calling is not supported (send tool_choice 'none')", param="tools")
         num_top = self._num_top_logprobs(req)
         prompt = render_chat(self.engine, req.messages, req.add_generation_prompt)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

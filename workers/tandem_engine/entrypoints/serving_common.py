@@ -143,6 +143,8 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int |
         raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
     if req.logit_bias:
         raise OpenAIError("logit_bias is not supported", param="logit_bias")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise OpenAIError("response_format other than text is not supported", param="response_format")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -368,6 +370,10 @@ class SSEResponse(StreamingResponse):
     even when the server reports a disconnect by failing `send` instead of cancelling the stream."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        # No caching, and no buffering by proxies such as nginx: each event is a token the client awaits.
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def stream_response(self, send: Send) -> None:
         try:
