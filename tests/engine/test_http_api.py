@@ -801,6 +801,18 @@ async def test_disconnect_streamed_aborts(
     assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_disconnect_before_the_first_token_aborts(
+    engine: ToyEngine, registry: prometheus_client.CollectorRegistry, path: str
+) -> None:
+    engine.hang_after = 0  # a long prefill: the stream has not started when the client leaves
+    app = build_app(engine, registry)
+    body = {"prompt": "hi", "messages": CHAT, "max_tokens": 10, "stream": True, "n": 2}
+    await call_asgi_until(app, path, body, lambda sent: len(engine.calls) == 2)
+    ids = sorted(c[0] for c in engine.calls)
+    assert sorted(engine.cancelled) == ids and sorted(engine.aborted) == ids
+
+
 async def test_finished_requests_are_not_aborted(client: httpx.AsyncClient, engine: ToyEngine) -> None:
     await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
     await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})

@@ -123,6 +123,6 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
-        # A bug, not bad input: engine_error logs it with its traceback; Starlette re-raises afterwards.
-        logger.error("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(engine_error(exc))
+        # A bug, not bad input. Starlette re-raises after this answer, so the server logs the traceback.
+        logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+        return error_response(OpenAIError("Internal server error", HTTPStatus.INTERNAL_SERVER_ERROR))
