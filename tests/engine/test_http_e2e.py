@@ -147,11 +147,14 @@ def test_stop_string(oai: openai.OpenAI) -> None:
 
 def test_seed_and_n(oai: openai.OpenAI) -> None:
     def sample(seed: int) -> list[str]:
-        r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.8, seed=seed, n=2)
+        r = oai.completions.create(
+            model=MODEL, prompt="My favourite word is", max_tokens=4, temperature=0.8, seed=seed, n=6
+        )
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
     first = sample(1234)
-    assert len(first) == 2 and sample(1234) == first
+    assert len(first) == 6 and sample(1234) == first  # same seed, same samples
+    assert len(set(first)) > 1, "samples i get seed+i, so six of them should not all agree"
     chat = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=2)
     assert sorted(c.index for c in chat.choices) == [0, 1]
     assert chat.usage is not None and 2 <= chat.usage.completion_tokens <= 4
