@@ -56,9 +56,11 @@ async def run_prefill(
         logger.warning(
             "prefill endpoint %s failed mid-answer, decode prefills locally: %s", up.endpoint.url, e
         )
+        router.metrics.upstream_requests.labels("prefill", up.endpoint.url, "broken").inc()
         return None
     finally:
         up.close()
+    router.metrics.upstream_requests.labels("prefill", up.endpoint.url, str(status)).inc()
     router.metrics.prefill_latency.labels(up.endpoint.url).observe(time.perf_counter() - t0)
     if 400 <= status < 500:
         raise ClientErrorFromPrefill(status, body)
@@ -68,8 +70,14 @@ async def run_prefill(
     try:
         params = json.loads(body).get("kv_transfer_params")
     except (ValueError, AttributeError):
+        params = None
+    if not isinstance(params, dict):
+        # e.g. an engine without a KV connector: decode computes the prompt itself.
+        logger.info(
+            "prefill endpoint %s returned no kv_transfer_params; decode prefills locally", up.endpoint.url
+        )
         return None
-    return params if isinstance(params, dict) else None
+    return params
 
 
 async def open_pd(
