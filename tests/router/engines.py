@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from tests.router.utils import REPO
 
 MODEL = "smollm2-135m-instruct"

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from tests.router.engines import MODEL, metric, start, start_engine, stop, wait_ready
 from tests.router.utils import free_port
 
 pytestmark = pytest.mark.slow
+UPSTREAM = "tandem:router_upstream_requests_total"
 
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 MESSAGES = [
