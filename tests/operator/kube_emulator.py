@@ -38,6 +38,8 @@ class RealisticEmulator(kmock.KubernetesEmulator):
     # kmock matches every request against its whole request history (quadratic over a run); the
     # tests assert on objects, not on requests, so only the newest few are kept.
     keep_requests: int = 4
+    # kmock reports a K3s 1.26 server; the chart needs >= 1.28 (what kubernetes-validate checks too).
+    kube_version: str = "1.31.0"
 
     def _next_revision(self) -> str:
         self._revision += 1
@@ -59,6 +61,14 @@ class RealisticEmulator(kmock.KubernetesEmulator):
             if known == resource:
                 return "status" in self.resources[known].subresources
         return False
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if "protobuf" in raw_request.headers.get("Content-Type", ""):
+            # Only JSON is spoken here (kmock would fail to decode the body with a 500).
+            await raw_request.read()
+            return await self._render_error(kmock.KubernetesError(
+                status=415, reason="UnsupportedMediaType", message="only application/json bodies are supported"))
+        return await super().__call__(raw_request)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if len(self._requests) > self.keep_requests:
@@ -128,6 +138,18 @@ class RealisticEmulator(kmock.KubernetesEmulator):
             obj: kmock.Object = self.objects[key]
             return obj
         return None
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = dict(await super()._serve_server_version(request))  # type: ignore[arg-type]
+        major, minor, _ = self.kube_version.split(".")
+        payload.update(major=major, minor=minor, gitVersion=f"v{self.kube_version}")
+        return payload
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = dict(await super()._serve_version(request))  # type: ignore[arg-type]
+        # kmock renders the core group as "/v1"; clients (client-go, hence Helm) need "v1".
+        payload["groupVersion"] = str(payload.get("groupVersion", "")).lstrip("/")
+        return payload
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, jsonpatch.JsonPatchTestFailed | jsonpatch.JsonPatchConflict):
