@@ -20,6 +20,7 @@ def run_step(
     tables: list[list[int]],
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    use_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill each sequence's earlier context into its blocks, write this step's K/V, attend; return
     (backend output, reference output), both [T, NQ, D]."""
@@ -27,7 +28,7 @@ def run_step(
     # Unwritten slots hold a large finite value: any weight given to one shows up in the result.
     k_cache = torch.full((NUM_BLOCKS, BS, NKV, D), POISON, dtype=dtype)
     v_cache = torch.full((NUM_BLOCKS, BS, NKV, D), POISON, dtype=dtype)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(use_kernel=use_kernel)
     keys = [torch.randn(s, NKV, D, generator=g).to(dtype) for s in seq_lens]
     vals = [torch.randn(s, NKV, D, generator=g).to(dtype) for s in seq_lens]
     # Cached context, written as an earlier step would have.
@@ -66,6 +67,7 @@ CASES = {
     "prefill_with_context": ([3, 6], [11, 14], [[9, 2, 30], [5, 17, 8, 22]]),
     "decode": ([1, 1, 1, 1], [1, 7, 16, 13], [[4], [11, 6], [20, 21, 3, 19], [33, 2, 27, 8]]),
     "decode_equal_full_blocks": ([1, 1], [8, 8], [[1, 2], [4, 3]]),
+    "long_prefill_with_context": ([20, 1], [27, 5], [[3, 8, 13, 18, 23, 28, 33], [4, 9]]),
     "mixed": (
         [1, 6, 1, 4, 1],
         [9, 6, 3, 12, 20],
@@ -74,9 +76,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_dense_reference(case: str) -> None:
-    out, ref = run_step(*CASES[case])
+def test_matches_dense_reference(case: str, use_kernel: bool) -> None:
+    out, ref = run_step(*CASES[case], use_kernel=use_kernel)
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

@@ -1,21 +1,170 @@
-"""Paged attention in plain torch, for CPU.
+"""Paged attention for CPU: a small C kernel for decode and short chunks, torch SDPA for long prefills.
 
-Decode rows (one query token) of a step are batched: their blocks are gathered into a padded
-[num_decode, max_len, nkv, D] tensor and one masked SDPA runs with the GQA group as the query axis,
-so K/V are never repeated per query head. Prefill chunks (with or without cached context) run one SDPA
-per sequence with a causal mask offset by the cached context. The plan (which rows are which, masks,
-block ids) depends only on the step's metadata, so it is built once per step and reused by every layer.
-Padding slots are masked, not zeroed: the cache must never hold NaN/inf (allocate it with torch.zeros).
+Decode rows and short prefill chunks go to a C kernel (built once with the system C compiler, cached,
+called through ctypes) that reads K/V straight from the cache blocks: gathering them first would copy
+every key and value of every sequence on every layer, and on CPU that copy costs more than the
+attention. Each (query row, KV head) item scores its GQA group against the keys, so K/V are read once
+per group, never repeated per query head. Long prefill chunks use one SDPA per sequence (a GEMM is
+faster than the kernel's dot products there) over gathered blocks, with a causal mask offset by the
+cached context. Without a compiler, or for other dtypes, decode rows fall back to a gathered, padded,
+masked batch SDPA. The per-step plan depends only on the metadata: built once per step, reused by
+every layer. Padding slots are masked, not zeroed, so the cache must never hold NaN/inf (allocate it
+with torch.zeros).
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# Chunks up to this many query tokens go to the C kernel; longer ones to SDPA.
+KERNEL_MAX_QUERY_LEN = 16
+
+_KERNEL_SRC = r"""
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    const float *q; int64_t q_tok_stride;        /* [T, nq, D], head stride D */
+    const float *kc, *vc;                        /* [num_blocks, bs, nkv, D] */
+    const int32_t *table; int64_t table_stride;  /* [num_seqs, max_blocks] */
+    const int64_t *rows, *seqs, *klens;          /* per work row: query row, sequence, keys to attend */
+    float *out;                                  /* [T, nq, D] contiguous */
+    float *scratch; int64_t scratch_per_thread;  /* floats: g * max_klen scores + g * D accumulators */
+    int64_t n_rows; int nq, nkv, d, bs; float scale;
+    int64_t next;                                /* work counter, advanced atomically */
+} job_t;
+
+static void one(const job_t *j, int64_t item, float *sc) {
+    const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv;
+    const int64_t r = item / nkv, h = item % nkv, row = j->rows[r], klen = j->klens[r];
+    const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
+    const float *q = j->q + row * j->q_tok_stride + h * g * d;
+    float *acc = sc + (int64_t)g * klen;
+    const int64_t tok_stride = (int64_t)nkv * d;
+    for (int64_t p0 = 0; p0 < klen; p0 += bs) {
+        const float *kb = j->kc + ((int64_t)bt[p0 / bs] * bs * nkv + h) * d;
+        const int64_t n = klen - p0 < bs ? klen - p0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const float *k = kb + o * tok_stride;
+            for (int gi = 0; gi < g; gi++) {
+                const float *qq = q + gi * d; float s = 0.f;
+                for (int x = 0; x < d; x++) s += qq[x] * k[x];
+                sc[gi * klen + p0 + o] = s * j->scale;
+            }
+        }
+    }
+    for (int gi = 0; gi < g; gi++) {
+        float *s = sc + gi * klen, m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < klen; p++) m = s[p] > m ? s[p] : m;
+        for (int64_t p = 0; p < klen; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < klen; p++) s[p] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * g * d);
+    for (int64_t p0 = 0; p0 < klen; p0 += bs) {
+        const float *vb = j->vc + ((int64_t)bt[p0 / bs] * bs * nkv + h) * d;
+        const int64_t n = klen - p0 < bs ? klen - p0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const float *v = vb + o * tok_stride;
+            for (int gi = 0; gi < g; gi++) {
+                const float w = sc[gi * klen + p0 + o]; float *a = acc + gi * d;
+                for (int x = 0; x < d; x++) a[x] += w * v[x];
+            }
+        }
+    }
+    memcpy(j->out + (row * j->nq + h * g) * d, acc, sizeof(float) * g * d);
+}
+
+typedef struct { job_t *j; int tid; } arg_t;
+
+static void *worker(void *p) {
+    arg_t *a = (arg_t *)p; job_t *j = a->j;
+    float *sc = j->scratch + a->tid * j->scratch_per_thread;
+    const int64_t total = j->n_rows * j->nkv;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (item >= total) break;
+        one(j, item, sc);
+    }
+    return NULL;
+}
+
+int tandem_paged_attention_f32(const float *q, int64_t q_tok_stride, const float *kc, const float *vc,
+                               const int32_t *table, int64_t table_stride, const int64_t *rows,
+                               const int64_t *seqs, const int64_t *klens, float *out, float *scratch,
+                               int64_t scratch_per_thread, int64_t n_rows, int nq, int nkv, int d, int bs,
+                               float scale, int n_threads) {
+    job_t j = {q, q_tok_stride, kc, vc, table, table_stride, rows, seqs, klens, out, scratch,
+               scratch_per_thread, n_rows, nq, nkv, d, bs, scale, 0};
+    if (n_threads > 64) n_threads = 64;
+    if (n_threads > n_rows * nkv) n_threads = (int)(n_rows * nkv);
+    if (n_threads < 1) n_threads = 1;
+    pthread_t th[64]; arg_t args[64];
+    for (int t = 0; t < n_threads; t++) args[t] = (arg_t){&j, t};
+    int started = 1;
+    for (int t = 1; t < n_threads; t++, started++)
+        if (pthread_create(&th[t], NULL, worker, &args[t]) != 0) break;
+    worker(&args[0]);
+    for (int t = 1; t < started; t++) pthread_join(th[t], NULL);
+    return 0;
+}
+"""
+
+_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_kernel_tried = False
+
+
+def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Build (once per source version, cached on disk) and load the C kernel; None if impossible."""
+    global _kernel, _kernel_tried
+    if _kernel_tried:
+        return _kernel
+    _kernel_tried = True
+    if os.environ.get("TANDEM_CPU_KERNEL", "1") == "0":
+        return None
+    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
+    key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + os.uname().machine).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TANDEM_CACHE_DIR", "~/.cache/tandem")).expanduser() / "kernels"
+    so = root / f"paged_attention_{key}.so"
+    try:
+        if not so.is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                src = Path(tmp) / "k.c"
+                src.write_text(_KERNEL_SRC)
+                cc = os.environ.get("CC", "cc")
+                subprocess.run(
+                    [cc, *flags, str(src), "-o", f"{tmp}/k.so", "-lm"],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
+                os.replace(f"{tmp}/k.so", so)  # atomic: concurrent builders race harmlessly
+        fn = ctypes.CDLL(str(so)).tandem_paged_attention_f32
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("CPU attention kernel unavailable (%s); using the torch SDPA path", e)
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = i32
+    _kernel = fn
+    return fn
 
 
 @dataclass
@@ -28,22 +177,39 @@ class _Prefill:
 
 
 @dataclass
+class _KernelRows:
+    rows: torch.Tensor  # [R] int64 query row
+    seqs: torch.Tensor  # [R] int64 request index into block_table
+    klens: torch.Tensor  # [R] int64 keys visible to the row (causal)
+    scratch_per_thread: int  # floats
+
+
+@dataclass
+class _SdpaDecode:
+    rows: torch.Tensor | None  # [Nd] int64 query rows; None when they are 0..Nd-1
+    blocks: torch.Tensor  # [Nd * max_blocks] int64, flattened block table
+    mask: torch.Tensor | None  # [Nd, 1, 1, max_blocks * block_size] bool, None if no padding
+
+
+@dataclass
 class _Plan:
-    # Decode part: rows of the step's query that are single-token requests.
-    decode_rows: torch.Tensor | None  # [Nd] int64 query row of each decode request; None if rows are 0..Nd-1
-    num_decode: int
-    decode_blocks: torch.Tensor | None  # [Nd * max_blocks] int64, flattened block table
-    decode_max_blocks: int
-    decode_mask: torch.Tensor | None  # [Nd, 1, 1, max_blocks * block_size] bool, None if no padding
+    kernel: _KernelRows | None
+    decode: _SdpaDecode | None
+    num_decode: int  # rows handled by `decode` (SDPA fallback)
     prefills: list[_Prefill]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        """use_kernel: None = use the C kernel where it applies and builds; False = torch only."""
+        self._kernel = load_kernel() if use_kernel is not False else None
+        if use_kernel and self._kernel is None:
+            raise RuntimeError("the CPU attention kernel could not be built")
         self._plan_for: AttentionMetadata | None = None
         self._plan: _Plan | None = None
+        self._scratch = torch.empty(0)
 
     def write_kv(
         self,
@@ -57,41 +223,64 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, value)
 
-    def _build_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    def _kernel_applies(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (
+            self._kernel is not None
+            and query.device.type == "cpu"
+            and query.dtype == torch.float32 == k_cache.dtype
+            and query.stride(2) == 1
+            and query.stride(1) == query.shape[2]
+            and k_cache.is_contiguous()
+        )
+
+    def _build_plan(
+        self, meta: AttentionMetadata, block_size: int, g: int, d: int, use_kernel: bool
+    ) -> _Plan:
         qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+        limit = KERNEL_MAX_QUERY_LEN if use_kernel else 0
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        dec = [i for i, q in enumerate(qlens) if q == 1]
-        table = meta.block_table
-        decode_rows = decode_blocks = decode_mask = None
-        max_blocks = 0
+        kernel = decode = None
+        rows: list[int] = []
+        seqs: list[int] = []
+        klens: list[int] = []
+        for i, q in enumerate(qlens):
+            if q <= limit:
+                rows += range(starts[i], starts[i + 1])
+                seqs += [i] * q
+                klens += range(slens[i] - q + 1, slens[i] + 1)
+        if rows:
+            kernel = _KernelRows(
+                torch.tensor(rows), torch.tensor(seqs), torch.tensor(klens), g * (max(klens) + d)
+            )
+        dec = [i for i, q in enumerate(qlens) if q == 1 and not use_kernel]
         if dec:
             dec_slens = [slens[i] for i in dec]
-            max_len = max(dec_slens)
-            max_blocks = -(-max_len // block_size)
+            max_blocks = -(-max(dec_slens) // block_size)
+            table = meta.block_table
+            decode_rows = None
             if dec != list(range(len(dec))):
-                decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
-                sel = torch.tensor(dec, dtype=torch.int64, device=table.device)
-                table = table.index_select(0, sel)
-            decode_blocks = table[: len(dec), :max_blocks].to(torch.int64).reshape(-1)
+                decode_rows = torch.tensor([starts[i] for i in dec])
+                table = table.index_select(0, torch.tensor(dec, device=table.device))
+            mask = None
             if min(dec_slens) != max_blocks * block_size:
-                lens = torch.tensor(dec_slens, dtype=torch.int64, device=device)
-                pos = torch.arange(max_blocks * block_size, device=device)
-                decode_mask = (pos[None, :] < lens[:, None]).view(len(dec), 1, 1, -1)
+                pos = torch.arange(max_blocks * block_size)
+                mask = (pos[None, :] < torch.tensor(dec_slens)[:, None]).view(len(dec), 1, 1, -1)
+            decode = _SdpaDecode(
+                decode_rows, table[: len(dec), :max_blocks].to(torch.int64).reshape(-1), mask
+            )
         prefills = []
         for i, q in enumerate(qlens):
-            if q == 1:
+            if q <= limit or (q == 1 and not use_kernel):
                 continue
             s = slens[i]
-            ctx = s - q
-            blocks = meta.block_table[i, : -(-s // block_size)].to(torch.int64)
             mask = None
-            if ctx > 0:
-                qpos = torch.arange(ctx, s, device=device)
-                mask = torch.arange(s, device=device)[None, :] <= qpos[:, None]
+            if s > q:
+                mask = torch.arange(s)[None, :] <= torch.arange(s - q, s)[:, None]
+            blocks = meta.block_table[i, : -(-s // block_size)].to(torch.int64)
             prefills.append(_Prefill(starts[i], starts[i + 1], blocks, s, mask))
-        return _Plan(decode_rows, len(dec), decode_blocks, max_blocks, decode_mask, prefills)
+        return _Plan(kernel, decode, len(dec), prefills)
 
     def forward(
         self,
@@ -101,22 +290,29 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, nq, D]
-        if self._plan_for is not meta or self._plan is None:
-            self._plan = self._build_plan(meta, k_cache.shape[1], query.device)
-            self._plan_for = meta
-        plan = self._plan
         t, nq, d = query.shape
         nkv = k_cache.shape[2]
         g = nq // nkv
-        if plan.num_decode == t:
-            return self._decode(query, k_cache, v_cache, plan, scale)
-        out = torch.empty_like(query)
-        if plan.num_decode:
-            if plan.decode_rows is None:
-                out[: plan.num_decode] = self._decode(query[: plan.num_decode], k_cache, v_cache, plan, scale)
+        use_kernel = self._kernel_applies(query, k_cache)
+        if self._plan_for is not meta or self._plan is None:
+            self._plan = self._build_plan(meta, k_cache.shape[1], g, d, use_kernel)
+            self._plan_for = meta
+        plan = self._plan
+        if plan.decode is not None and plan.num_decode == t:
+            return self._sdpa_decode(query, k_cache, v_cache, plan.decode, scale)
+        out = torch.empty(t, nq, d, dtype=query.dtype, device=query.device)
+        if plan.kernel is not None:
+            self._run_kernel(query, k_cache, v_cache, meta, plan.kernel, out, scale)
+        if plan.decode is not None:
+            if plan.decode.rows is None:
+                out[: plan.num_decode] = self._sdpa_decode(
+                    query[: plan.num_decode], k_cache, v_cache, plan.decode, scale
+                )
             else:
-                q = query.index_select(0, plan.decode_rows)
-                out.index_copy_(0, plan.decode_rows, self._decode(q, k_cache, v_cache, plan, scale))
+                q = query.index_select(0, plan.decode.rows)
+                out.index_copy_(
+                    0, plan.decode.rows, self._sdpa_decode(q, k_cache, v_cache, plan.decode, scale)
+                )
         for p in plan.prefills:
             ql = p.end - p.start
             # [nkv, L, D] views of this sequence's keys and values
@@ -130,24 +326,63 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(q, k4, v4, is_causal=True, scale=scale)
             else:
                 o = F.scaled_dot_product_attention(q, k4, v4, attn_mask=p.mask, scale=scale)
-            # o: [nkv, g, ql, D] -> [ql, nq, D]
-            out[p.start : p.end] = o.permute(2, 0, 1, 3).reshape(ql, nq, d)
+            out[p.start : p.end] = o.permute(2, 0, 1, 3).reshape(ql, nq, d)  # [nkv, g, ql, D] -> [ql, nq, D]
         return out
 
-    def _decode(
+    def _run_kernel(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kr: _KernelRows,
+        out: torch.Tensor,  # [T, nq, D] contiguous, the kernel fills its rows
+        scale: float,
+    ) -> None:
+        assert self._kernel is not None
+        threads = torch.get_num_threads()
+        need = threads * kr.scratch_per_thread
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        table = meta.block_table
+        if table.dtype != torch.int32 or table.stride(1) != 1:
+            table = table.to(torch.int32).contiguous()
+        _, nq, d = query.shape
+        self._kernel(
+            query.data_ptr(),
+            query.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            table.data_ptr(),
+            table.stride(0),
+            kr.rows.data_ptr(),
+            kr.seqs.data_ptr(),
+            kr.klens.data_ptr(),
+            out.data_ptr(),
+            self._scratch.data_ptr(),
+            kr.scratch_per_thread,
+            kr.rows.numel(),
+            nq,
+            k_cache.shape[2],
+            d,
+            k_cache.shape[1],
+            scale,
+            threads,
+        )
+
+    def _sdpa_decode(
         self,
         query: torch.Tensor,  # [Nd, nq, D]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: _Plan,
+        dp: _SdpaDecode,
         scale: float,
     ) -> torch.Tensor:  # [Nd, nq, D]
         n, nq, d = query.shape
         nkv = k_cache.shape[2]
-        assert plan.decode_blocks is not None
         # [Nd, nkv, L, D] (strided views of the gathered blocks)
-        k = k_cache.index_select(0, plan.decode_blocks).view(n, -1, nkv, d).transpose(1, 2)
-        v = v_cache.index_select(0, plan.decode_blocks).view(n, -1, nkv, d).transpose(1, 2)
+        k = k_cache.index_select(0, dp.blocks).view(n, -1, nkv, d).transpose(1, 2)
+        v = v_cache.index_select(0, dp.blocks).view(n, -1, nkv, d).transpose(1, 2)
         q = query.view(n, nkv, nq // nkv, d)  # the GQA group is the query-length axis
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=dp.mask, scale=scale)
         return o.reshape(n, nq, d)
