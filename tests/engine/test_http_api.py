@@ -446,19 +446,15 @@ async def test_dead_or_draining_engine_is_503(
     client: httpx.AsyncClient, engine: ToyEngine, path: str, stream: bool
 ) -> None:
     body = {"prompt": "hi", "messages": CHAT, "max_tokens": 3, "stream": stream}
-    engine.ready = False
+    engine.ready = False  # draining
     assert_error(await client.post(path, json=body), 503)
-    engine.ready = True
-    # Dead between the readiness check and generate: the engine's own EngineDeadError.
-    real_is_ready = ToyEngine.is_ready
-    try:
-        ToyEngine.is_ready = property(lambda self: True)  # type: ignore[assignment,method-assign]
-        engine.dead = EngineDeadError("boom")
-        object.__setattr__(engine, "dead", engine.dead)
-        resp = await client.post(path, json=body)
-    finally:
-        ToyEngine.is_ready = real_is_ready  # type: ignore[method-assign]
-    assert resp.status_code == 503
+    engine.ready, engine.dead = True, EngineDeadError("boom")
+    assert_error(await client.post(path, json=body), 503, contains="boom")
+    assert engine.calls == []
+    # Dies between the readiness check and the first output: the engine's own EngineDeadError.
+    engine.dead, engine.fail_stream_after = None, 0
+    assert_error(await client.post(path, json=body), 503, contains="died")
+    assert len(engine.calls) == 1
 
 
 async def test_engine_death_mid_stream_ends_with_error_event(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -222,14 +223,10 @@ def make_jobs(request_id: str, prompts: list[list[int]], params: list[SamplingPa
             index = p * n + i
             sp = base
             if base.seed is not None and i > 0:
-                sp = SamplingParams(**{**_fields(base), "seed": base.seed + i})
+                sp = msgspec.structs.replace(base, seed=base.seed + i)
             rid = request_id if total == 1 else f"{index}_{request_id}"
             jobs.append(Job(index, p, rid, ids, sp))
     return jobs
-
-
-def _fields(params: SamplingParams) -> dict[str, Any]:
-    return {f: getattr(params, f) for f in params.__struct_fields__}
 
 
 class GenerationGroup:
