@@ -416,6 +416,18 @@ async def test_non_finite_floats_are_400(
     assert engine.calls == []
 
 
+async def test_null_means_not_given(client: httpx.AsyncClient, engine: ToyEngine) -> None:
+    nulls = dict.fromkeys(
+        ["n", "stream", "stop", "seed", "temperature", "echo", "logprobs", "suffix", "user"]
+    )
+    resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **nulls})
+    assert resp.status_code == 200, resp.text
+    assert engine.calls[0][2] == SamplingParams(max_tokens=2)
+    body = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": None, "n": None}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert_error(await client.post("/v1/completions", json={"prompt": None}), 400, "prompt")
+
+
 async def test_accepted_no_op_fields(client: httpx.AsyncClient, engine: ToyEngine) -> None:
     body = {
         "messages": CHAT,

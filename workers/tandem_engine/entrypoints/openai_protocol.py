@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # The per-request cap on `n` (engine requests fanned out for one HTTP request).
 MAX_N = 16
@@ -32,6 +32,16 @@ class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility. NaN and
     # infinities (which Python's JSON accepts) never reach the sampler.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestModel(OpenAIModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Many clients send `"n": null`, `"stream": null` for "not given": treat them so.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -59,11 +69,11 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Seed = Annotated[int, Field(ge=-(2**63), le=INT64_MAX - MAX_N)]
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -103,12 +113,7 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
 
 
-class TextContentPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
-
-
-class ContentPart(OpenAIModel):
+class ContentPart(RequestModel):
     """Any content part; only `text` parts are served, the rest are rejected with a 400."""
 
     model_config = ConfigDict(extra="allow")
@@ -116,7 +121,7 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... pass through to templates
     role: str
     content: str | list[ContentPart] | None = None
@@ -135,7 +140,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -143,7 +148,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 
