@@ -21,12 +21,12 @@ from tandem_engine.entrypoints.openai_protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    OpenAIError,
     TokenizeRequest,
     TokenizeResponse,
 )
 from tandem_engine.entrypoints.serving_chat import ChatServing, render_chat
 from tandem_engine.entrypoints.serving_common import (
-    OpenAIError,
     check_model,
     engine_error,
     error_response,

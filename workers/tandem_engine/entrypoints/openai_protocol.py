@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from tandem_engine.sampling_params import SamplingParams
 
 # The per-request cap on `n` (engine requests fanned out for one HTTP request).
 MAX_N = 16
@@ -59,6 +62,30 @@ class ErrorResponse(OpenAIModel):
     error: ErrorInfo
 
 
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape; raised anywhere in a handler."""
+
+    def __init__(
+        self,
+        message: str,
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+        err_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or _default_type(status)
+
+
+def _default_type(status: HTTPStatus) -> str:
+    if status == HTTPStatus.BAD_REQUEST:
+        return "invalid_request_error"
+    # vLLM's convention: the status phrase in CamelCase ("NotFoundError", "ServiceUnavailableError").
+    return status.phrase.title().replace(" ", "").replace("-", "") + "Error"
+
+
 # -------------------------------------------------------------------------------------------- requests
 
 # Every integer crosses to the EngineCore as msgpack (and seeds into torch): keep them in int64.
@@ -101,6 +128,46 @@ class SamplingRequest(RequestModel):
     kv_transfer_params: dict[str, Any] | None = None
     # Not served: accepted only in their no-op form ({"type": "text"}), rejected otherwise.
     response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """These sampling fields as SamplingParams; raises OpenAIError for values out of range."""
+        if not 1 <= self.n <= MAX_N:
+            raise OpenAIError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise OpenAIError("response_format other than text is not supported", param="response_format")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "seed": self.seed,
+            "stop": [s for s in stop if s],
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        optional = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+        for name in (*optional, "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        params = SamplingParams(**fields)
+        try:
+            params.validate()
+        except ValueError as exc:
+            message = str(exc)
+            head = message.split(" ", 1)[0]
+            raise OpenAIError(message, param=head if head in fields else None) from None
+        return params
 
 
 class CompletionRequest(SamplingRequest):

@@ -23,6 +23,7 @@ from tandem_engine.entrypoints.openai_protocol import (
     ChatLogProbsContent,
     ChatMessage,
     DeltaMessage,
+    OpenAIError,
     now,
     random_id,
 )
@@ -31,10 +32,8 @@ from tandem_engine.entrypoints.serving_common import (
     SSE_DONE,
     GenerationGroup,
     Job,
-    OpenAIError,
     SSEResponse,
     UsageTracker,
-    build_sampling_params,
     check_engine_serving,
     check_length,
     check_model,
@@ -123,7 +122,7 @@ class ChatServing:
         prompt = render_chat(self.engine, req.messages, req.add_generation_prompt)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(self.engine, len(prompt), requested, "messages")
-        params = build_sampling_params(req, max_tokens, num_top)
+        params = req.to_sampling_params(max_tokens, num_top)
         if req.kv_transfer_params is not None and req.n > 1:
             raise OpenAIError("kv_transfer_params needs n=1", param="kv_transfer_params")
         request_id = random_id("chatcmpl")

@@ -18,12 +18,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Send
 
 from tandem_engine.entrypoints.openai_protocol import (
-    MAX_LOGPROBS,
-    MAX_N,
     ErrorInfo,
     ErrorResponse,
+    OpenAIError,
     PromptTokensDetails,
-    SamplingRequest,
     UsageInfo,
 )
 from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
@@ -42,30 +40,6 @@ _background: set[asyncio.Task[None]] = set()
 
 
 # ---------------------------------------------------------------------------------------------- errors
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape; raised anywhere in a handler."""
-
-    def __init__(
-        self,
-        message: str,
-        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-        param: str | None = None,
-        err_type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.err_type = err_type or _default_type(status)
-
-
-def _default_type(status: HTTPStatus) -> str:
-    if status == HTTPStatus.BAD_REQUEST:
-        return "invalid_request_error"
-    # vLLM's convention: the status phrase in CamelCase ("NotFoundError", "ServiceUnavailableError").
-    return status.phrase.title().replace(" ", "").replace("-", "") + "Error"
 
 
 def error_body(exc: OpenAIError) -> ErrorResponse:
@@ -132,45 +106,6 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         return model.model_validate_json(body or b"{}", strict=True)
     except ValidationError as exc:
         raise validation_error(exc) from None
-
-
-def build_sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; raises OpenAIError for values out of range."""
-    if not 1 <= req.n <= MAX_N:
-        raise OpenAIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise OpenAIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
-    if req.stream_options is not None and not req.stream:
-        raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
-    if req.logit_bias:
-        raise OpenAIError("logit_bias is not supported", param="logit_bias")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise OpenAIError("response_format other than text is not supported", param="response_format")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    fields: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "min_tokens": req.min_tokens,
-        "seed": req.seed,
-        "stop": [s for s in stop if s],
-        "stop_token_ids": list(req.stop_token_ids or []),
-        "include_stop_str_in_output": req.include_stop_str_in_output,
-        "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs,
-        "skip_special_tokens": req.skip_special_tokens,
-    }
-    optional = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
-    for name in (*optional, "repetition_penalty"):
-        value = getattr(req, name)
-        if value is not None:
-            fields[name] = value
-    params = SamplingParams(**fields)
-    try:
-        params.validate()
-    except ValueError as exc:
-        message = str(exc)
-        head = message.split(" ", 1)[0]
-        raise OpenAIError(message, param=head if head in fields else None) from None
-    return params
 
 
 def check_length(engine: EngineClient, num_prompt_tokens: int, max_tokens: int | None, what: str) -> int:

@@ -17,6 +17,7 @@ from tandem_engine.entrypoints.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    OpenAIError,
     now,
     random_id,
 )
@@ -25,10 +26,8 @@ from tandem_engine.entrypoints.serving_common import (
     SSE_DONE,
     GenerationGroup,
     Job,
-    OpenAIError,
     SSEResponse,
     UsageTracker,
-    build_sampling_params,
     check_engine_serving,
     check_length,
     check_model,
@@ -100,9 +99,7 @@ class CompletionServing:
             raise OpenAIError("best_of is not supported (it must equal n when given)", param="best_of")
         prompts = self._tokenize_prompts(req)
         params = [
-            build_sampling_params(
-                req, check_length(self.engine, len(p), req.max_tokens, "prompt"), req.logprobs
-            )
+            req.to_sampling_params(check_length(self.engine, len(p), req.max_tokens, "prompt"), req.logprobs)
             for p in prompts
         ]
         if req.kv_transfer_params is not None and len(prompts) * req.n > 1:
