@@ -1,6 +1,6 @@
-"""What /v1/completions and /v1/chat/completions share: OpenAI-shaped errors, request parsing, sampling
-parameters and length checks, the fan-out of one HTTP request into n engine requests, disconnect
-detection and SSE framing."""
+"""What /v1/completions and /v1/chat/completions share: OpenAI-shaped error responses, request parsing
+and length checks, the fan-out of one HTTP request into n engine requests, disconnect detection and SSE
+framing."""
 
 from __future__ import annotations
 
