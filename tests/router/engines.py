@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,3 +66,55 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+class UpProcess:
+    """`tandem up` with its output collected on a thread (so that its pipe never fills)."""
+
+    def __init__(self, args: list[str], log_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [*TANDEM, "up", "--log-dir", str(log_dir), *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(needle in ln for ln in self.lines):
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                raise RuntimeError(f"tandem up exited with {self.proc.returncode}:\n{self.text()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {needle!r} from tandem up after {timeout}s:\n{self.text()}")
+            time.sleep(0.1)
+
+    def _starting(self, name: str) -> str:
+        return next(ln for ln in self.lines if f"starting {name} on " in ln)
+
+    def url_of(self, name: str) -> str:
+        return self._starting(name).split(" on ")[1].split(" ")[0]
+
+    def pid_of(self, name: str) -> int:
+        return int(self._starting(name).split("(pid ")[1].split(",")[0])
+
+    def interrupt(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)

@@ -1,4 +1,5 @@
-"""End to end with real processes: two `tandem serve` engines on the embedded model and `tandem route`.
+"""End to end with real processes: `tandem up` runs two `tandem serve` engines on the embedded model
+behind `tandem route`, and a second router drives the same engines through the P/D flow.
 
 One engine pair for the whole module (startup dominates). The engine-killing test runs last.
 """
@@ -7,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from tests.router.engines import MODEL, metric, start, start_engine, stop, wait_ready
+from tests.router.engines import ENGINE_ARGS, MODEL, UpProcess, metric, start, stop, wait_ready
 from tests.router.utils import free_port
 
 pytestmark = pytest.mark.slow
@@ -31,63 +33,50 @@ MESSAGES = [
 @dataclass
 class Stack:
     engines: list[str]
-    procs: list[subprocess.Popen[bytes]]
-    logs: list[Path]
-    router: str  # colocated: decode = both engines
-    pd_router: str  # P/D: prefill = engine 0, decode = engine 1
+    pids: list[int]
+    up: UpProcess  # `tandem up`: two colocated engines behind a round-robin router
+    router: str
+    pd_router: str  # a second router over the same engines: prefill = engine 0, decode = engine 1
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     d = tmp_path_factory.mktemp("e2e")
-    ports = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    logs = [d / f"engine-{i}.log" for i in range(2)]
-    procs = [start_engine(p, log) for p, log in zip(ports, logs, strict=True)]
-    routers: list[subprocess.Popen[bytes]] = []
+    port = free_port()
+    up = UpProcess(
+        [
+            "--port",
+            str(port),
+            "--prefill",
+            "0",
+            "--decode",
+            "2",
+            "--policy",
+            "round-robin",
+            "--engine-args",
+            " ".join(ENGINE_ARGS),
+            "--router-args",
+            "--health-interval 0.5",
+        ],
+        d,
+    )
+    pd: subprocess.Popen[bytes] | None = None
     try:
-        for url, proc, log in zip(urls, procs, logs, strict=True):
-            wait_ready(url, proc, log)
-        rp, pp = free_port(), free_port()
-        routers.append(
-            start(
-                [
-                    "route",
-                    "--port",
-                    str(rp),
-                    "--decode",
-                    ",".join(urls),
-                    "--policy",
-                    "round-robin",
-                    "--health-interval",
-                    "0.5",
-                ],
-                d / "router.log",
-            )
-        )
-        routers.append(
-            start(
-                [
-                    "route",
-                    "--port",
-                    str(pp),
-                    "--prefill",
-                    urls[0],
-                    "--decode",
-                    urls[1],
-                    "--remote-prefill-threshold",
-                    "0",
-                ],
-                d / "pd-router.log",
-            )
-        )
-        router, pd_router = f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{pp}"
-        wait_ready(router, routers[0], d / "router.log", timeout=30)
-        wait_ready(pd_router, routers[1], d / "pd-router.log", timeout=30)
-        yield Stack(urls, procs, logs, router, pd_router)
+        up.wait_for("] ready in", timeout=400)
+        engines = [up.url_of(f"engine-{i}") for i in range(2)]
+        pids = [up.pid_of(f"engine-{i}") for i in range(2)]
+        pp = free_port()
+        argv = ["route", "--port", str(pp), "--prefill", engines[0], "--decode", engines[1]]
+        pd = start([*argv, "--remote-prefill-threshold", "0"], d / "pd-router.log")
+        pd_router = f"http://127.0.0.1:{pp}"
+        wait_ready(pd_router, pd, d / "pd-router.log", timeout=30)
+        yield Stack(engines, pids, up, f"http://127.0.0.1:{port}", pd_router)
     finally:
-        for p in [*routers, *procs]:
-            stop(p)
+        if pd is not None:
+            stop(pd)
+        up.interrupt()
+    assert up.proc.returncode == 0, up.text()
+    assert "[up] stopped" in up.text()
 
 
 def generate(base: str, stream: bool, chat: bool) -> str:
@@ -137,11 +126,11 @@ def test_openai_client_through_pd_router_equals_engine_greedy(stack: Stack, chat
     assert metric(after, decisions) - metric(before, decisions) == 2
 
 
-def test_kill_an_engine_under_load_then_readmit(stack: Stack, tmp_path: Path) -> None:
-    asyncio.run(_kill_under_load(stack, tmp_path))
+def test_kill_an_engine_under_load_then_readmit(stack: Stack) -> None:
+    asyncio.run(_kill_under_load(stack))
 
 
-async def _kill_under_load(stack: Stack, tmp_path: Path) -> None:
+async def _kill_under_load(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.router + "/v1", api_key="x", max_retries=0)
     outcome: collections.Counter[str] = collections.Counter()
     first_chunk = [asyncio.Event() for _ in range(4)]
@@ -150,7 +139,7 @@ async def _kill_under_load(stack: Stack, tmp_path: Path) -> None:
         stream = await client.completions.create(
             model=MODEL,
             prompt=f"{i}: tell a long story",
-            max_tokens=120,
+            max_tokens=60,
             stream=True,
             temperature=0.0,
             extra_body={"ignore_eos": True},
@@ -170,8 +159,7 @@ async def _kill_under_load(stack: Stack, tmp_path: Path) -> None:
     victim = stack.engines[0]
     on_victim = metric(text, "tandem:router_in_flight_requests", endpoint=victim)
     assert on_victim == 2  # round-robin put half the streams on each engine
-    stack.procs[0].kill()
-    stack.procs[0].wait()
+    os.kill(stack.pids[0], signal.SIGKILL)
     await asyncio.wait_for(asyncio.gather(*load), 180)
     assert outcome == {"error": 2, "ok": 2}, outcome
     # New requests succeed on the survivor (the first may meet a refused connection and be retried).
@@ -179,12 +167,11 @@ async def _kill_under_load(stack: Stack, tmp_path: Path) -> None:
         out = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0.0)
         assert out.choices[0].text
     async with httpx.AsyncClient() as http:
-        health = (await http.get(stack.router + "/health")).json()
-    assert health["decode"] == {victim: False, stack.engines[1]: True}
-    # Bring it back on the same port: health checks re-admit it and it serves again.
-    port = victim.rsplit(":", 1)[1]
-    stack.procs[0] = start_engine(int(port), stack.logs[0])
-    await asyncio.to_thread(wait_ready, victim, stack.procs[0], stack.logs[0])
+        text = (await http.get(stack.router + "/metrics")).text
+    assert metric(text, UPSTREAM, endpoint=victim, outcome="broken") == 2
+    # `tandem up` restarts it on the same port; health checks re-admit it and it serves again.
+    await asyncio.to_thread(stack.up.wait_for, "engine-0 ready again", 400)
+    assert "restarting engine-0 (1/5)" in stack.up.text()
     async with httpx.AsyncClient() as http:
         for _ in range(100):
             if (await http.get(stack.router + "/health")).json()["decode"][victim]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,11 @@ def run_up(args: list[str], log_dir: Path) -> tuple[subprocess.Popen[str], list[
     raise AssertionError("tandem up never got ready:\n" + "\n".join(lines))
 
 
+def lines_url(lines: list[str], name: str) -> str:
+    line = next(ln for ln in lines if f"starting {name} on " in ln)
+    return line.split(" on ")[1].split(" ")[0]
+
+
 def child_pids(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
@@ -56,6 +62,22 @@ def test_up_runs_pd_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == " decode-0 decode-1"
     metrics = httpx.get(url + "/metrics").text
     assert 'tandem:router_pd_decisions_total{decision="remote"} 1.0' in metrics
+    # A child that dies is restarted on its port, and the router re-admits it.
+    decode_pid = next(int(ln.split("pid ")[1].split(",")[0]) for ln in lines if "starting decode-0" in ln)
+    os.kill(decode_pid, signal.SIGKILL)
+    assert proc.stdout is not None
+    seen = []
+    while not any("decode-0 ready again" in ln for ln in seen):
+        seen.append(proc.stdout.readline())
+    assert any("restarting decode-0 (1/5)" in ln for ln in seen)
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health").json()["decode"] != {lines_url(lines, "decode-0"): True}:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
+    assert resp.status_code == 200
+    children = child_pids(proc.pid)
+    assert len(children) == 3
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out

@@ -2,7 +2,9 @@
 
 Children run in their own session so that Ctrl-C reaches only this supervisor, which then stops them in
 order (router first, so no new requests reach a stopping engine). They also get SIGTERM if the
-supervisor dies (PR_SET_PDEATHSIG), so no engine outlives a killed `tandem up`.
+supervisor dies (PR_SET_PDEATHSIG), so no engine outlives a killed `tandem up`. A child that dies
+after start-up is restarted on the same port, as Kubernetes restarts a pod; the router ejects the
+engine meanwhile and re-admits it when its /health answers again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from types import FrameType
 from tandem_router.policies import POLICIES
 
 PR_SET_PDEATHSIG = 1
+MAX_RESTARTS = 5
 # `python -c` rather than `-m tandem_cli` (a package without __main__) or the `tandem` script (maybe not
 # on PATH): the children run with exactly this interpreter.
 TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
@@ -68,6 +71,8 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
+    ready: bool = False
+    restarts: int = 0
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +86,7 @@ class Child:
                 preexec_fn=_die_with_parent,
             )
         self.started = time.monotonic()
+        self.ready = False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -132,6 +138,7 @@ class Stack:
                     return False
                 if healthy(c.url):
                     say(f"{c.name} ready at {c.url} ({time.monotonic() - c.started:.1f}s)")
+                    c.ready = True
                     pending.remove(c)
             if time.monotonic() > deadline:
                 say(f"gave up after {self.startup_timeout:.0f}s waiting for {_names(pending)}")
@@ -142,6 +149,26 @@ class Stack:
                 last_report = time.monotonic()
             time.sleep(0.25)
         return not self.stopping
+
+    def supervise(self) -> bool:
+        """Restart what died, as Kubernetes would restart a pod; the router's health checks eject the
+        engine meanwhile and re-admit it once it is back. False when a child keeps dying."""
+        for c in self.all():
+            if c.alive():
+                if not c.ready and healthy(c.url):
+                    c.ready = True
+                    say(f"{c.name} ready again at {c.url} ({time.monotonic() - c.started:.1f}s)")
+                continue
+            code = c.proc.returncode if c.proc else None
+            say(f"{c.name} exited with code {code}; last lines of {c.log}:")
+            print(c.tail(), flush=True)
+            if c.restarts >= MAX_RESTARTS:
+                say(f"{c.name} failed {c.restarts + 1} times; giving up")
+                return False
+            c.restarts += 1
+            say(f"restarting {c.name} ({c.restarts}/{MAX_RESTARTS})")
+            c.start()
+        return True
 
     def stop(self, timeout: float = 15.0) -> None:
         for group in ([self.router], self.engines):
@@ -243,8 +270,8 @@ def main(argv: list[str]) -> int:
     code = 0
     try:
         for c in engines:
-            say(f"starting {c.name} on {c.url} (log {c.log})")
             c.start()
+            say(f"starting {c.name} on {c.url} (pid {c.proc.pid if c.proc else '?'}, log {c.log})")
         if not stack.wait_ready(engines):
             code = 0 if stack.stopping else 1
             return code
@@ -259,12 +286,7 @@ def main(argv: list[str]) -> int:
             f'-d \'{{"model": "{a.model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\''
         )
         while not stack.stopping:
-            dead = [c for c in stack.all() if not c.alive()]
-            if dead:
-                for c in dead:
-                    code_c = c.proc.returncode if c.proc else None
-                    say(f"{c.name} exited unexpectedly with code {code_c}; last lines of {c.log}:")
-                    print(c.tail(), flush=True)
+            if not stack.supervise():
                 code = 1
                 break
             time.sleep(0.5)
