@@ -1,0 +1,247 @@
+"""Router overhead: p50 latency through `tandem route` minus direct access, measured in one run.
+
+Two backends, each behind its own router process:
+  - stub:   an instant OpenAI upstream (answers at once), so the difference is the router alone;
+  - engine: a real `tandem serve` on the embedded model, max_tokens=1 (the DESIGN.md target).
+Requests are sequential, each pair (direct, routed) in random order, so that machine noise hits
+both sides alike. Results: bench/results/router_overhead.{json,md,png}.
+
+    .venv/bin/python bench/router_overhead.py [--requests 300] [--no-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
+MODEL = "smollm2-135m-instruct"
+
+
+def serve_stub(port: int) -> None:
+    from aiohttp import web
+
+    body = {
+        "id": "x",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+    }
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(body)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(url)
+
+
+def measure(direct: str, routed: str, n: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    body = {"model": MODEL, "prompt": "Say hi.", "max_tokens": 1, "temperature": 0.0}
+    lat: dict[str, list[float]] = {"direct": [], "router": []}
+    with httpx.Client(timeout=60) as client:  # one keep-alive connection per base URL
+        for _ in range(20):  # warm-up: connections, caches, the router's prefix index
+            client.post(direct + "/v1/completions", json=body).raise_for_status()
+            client.post(routed + "/v1/completions", json=body).raise_for_status()
+        for _ in range(n):
+            order = [("direct", direct), ("router", routed)]
+            rng.shuffle(order)
+            for name, base in order:
+                t = time.perf_counter()
+                client.post(base + "/v1/completions", json=body).raise_for_status()
+                lat[name].append(time.perf_counter() - t)
+    paired = [r - d for r, d in zip(lat["router"], lat["direct"], strict=True)]
+
+    def q(xs: list[float], p: float) -> float:
+        return statistics.quantiles(xs, n=100, method="inclusive")[int(p) - 1] * 1000
+
+    out: dict[str, Any] = {"requests_per_side": n, "latencies_s": lat}
+    for name, xs in lat.items():
+        out[name] = {
+            "mean_ms": statistics.fmean(xs) * 1000,
+            "p50_ms": statistics.median(xs) * 1000,
+            "p90_ms": q(xs, 90),
+            "p99_ms": q(xs, 99),
+        }
+    out["p50_overhead_ms"] = out["router"]["p50_ms"] - out["direct"]["p50_ms"]
+    out["paired_median_overhead_ms"] = statistics.median(paired) * 1000
+    return out
+
+
+def router_overhead_histogram(router: str) -> dict[str, float]:
+    text = httpx.get(router + "/metrics").text
+    vals = {}
+    for line in text.splitlines():
+        if line.startswith("tandem:router_overhead_seconds_sum"):
+            vals["sum"] = float(line.split()[-1])
+        elif line.startswith("tandem:router_overhead_seconds_count"):
+            vals["count"] = float(line.split()[-1])
+    return {"mean_pre_dispatch_ms": 1000 * vals["sum"] / vals["count"]} if vals.get("count") else {}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (backend, r) in zip(axes[0], results.items(), strict=True):
+        for name, color in (("direct", "tab:blue"), ("router", "tab:orange")):
+            xs = sorted(x * 1000 for x in r["latencies_s"][name])
+            ax.plot(
+                xs,
+                [(i + 1) / len(xs) for i in range(len(xs))],
+                color=color,
+                label=f"{name} (p50 {r[name]['p50_ms']:.2f} ms)",
+            )
+        ax.set(
+            title=f"{backend}: p50 overhead {r['p50_overhead_ms']:+.2f} ms",
+            xlabel="latency (ms)",
+            ylabel="fraction of requests",
+        )
+        hi = max(r["router"]["p99_ms"], r["direct"]["p99_ms"]) * 1.2
+        ax.set_xlim(0, hi)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--no-engine", action="store_true")
+    p.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    if a.serve_stub is not None:
+        serve_stub(a.serve_stub)
+        return 0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))
+    print(f"process logs in {logs}", flush=True)
+
+    def spawn(argv: list[str], name: str) -> subprocess.Popen[bytes]:
+        with open(logs / f"{name}.log", "wb") as out:
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    results: dict[str, Any] = {}
+    try:
+        backends = {"stub": free_port()}
+        spawn([sys.executable, __file__, "--serve-stub", str(backends["stub"])], "stub")
+        if not a.no_engine:
+            backends["engine"] = free_port()
+            spawn(
+                [*TANDEM, "serve", "--model", MODEL, "--port", str(backends["engine"]), "--num-threads", "1"],
+                "engine",
+            )
+        for name, port in backends.items():
+            upstream = f"http://127.0.0.1:{port}"
+            wait_ready(upstream, procs[list(backends).index(name)])
+            rport = free_port()
+            router = f"http://127.0.0.1:{rport}"
+            rp = spawn(
+                [*TANDEM, "route", "--port", str(rport), "--decode", upstream, "--log-level", "WARNING"],
+                f"router-{name}",
+            )
+            wait_ready(router, rp, timeout=60)
+            print(f"measuring {name}: {a.requests} requests each way ...", flush=True)
+            results[name] = measure(upstream, router, a.requests, a.seed)
+            results[name].update(router_overhead_histogram(router))
+            r = results[name]
+            print(
+                f"  direct p50 {r['direct']['p50_ms']:.2f} ms, router p50 {r['router']['p50_ms']:.2f} ms, "
+                f"overhead p50 {r['p50_overhead_ms']:+.2f} ms (paired median "
+                f"{r['paired_median_overhead_ms']:+.2f} ms)",
+                flush=True,
+            )
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(15)
+    plot(results, RESULTS / "router_overhead.png")
+    summary = {k: {kk: vv for kk, vv in v.items() if kk != "latencies_s"} for k, v in results.items()}
+    meta = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "requests_per_side": a.requests,
+        "command": "python bench/router_overhead.py " + " ".join(sys.argv[1:]),
+        "machine": f"{__import__('os').cpu_count()} CPUs, shared",
+        "results": summary,
+    }
+    (RESULTS / "router_overhead.json").write_text(json.dumps({**meta, "raw": results}, indent=1))
+    lines = [
+        "# Router overhead",
+        "",
+        f"`{meta['command']}` at {meta['time']} ({meta['machine']}).",
+        "Sequential non-streamed completions (max_tokens=1), direct and through `tandem route` in random "
+        "order per pair, one run.",
+        "",
+        "| backend | direct p50 (ms) | router p50 (ms) | p50 overhead (ms) | paired median (ms) | "
+        "router p99 (ms) | direct p99 (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in summary.items():
+        lines.append(
+            f"| {name} | {r['direct']['p50_ms']:.2f} | {r['router']['p50_ms']:.2f} | "
+            f"{r['p50_overhead_ms']:+.2f} | {r['paired_median_overhead_ms']:+.2f} | "
+            f"{r['router']['p99_ms']:.2f} | {r['direct']['p99_ms']:.2f} |"
+        )
+    lines += [
+        "",
+        "Target (DESIGN.md section 8): at most 2 ms p50 above direct access.",
+        "",
+        "![latency CDFs](router_overhead.png)",
+        "",
+    ]
+    (RESULTS / "router_overhead.md").write_text("\n".join(lines))
+    print("wrote bench/results/router_overhead.{json,md,png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
