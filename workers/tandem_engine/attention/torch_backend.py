@@ -139,7 +139,8 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if os.environ.get("TANDEM_CPU_KERNEL", "1") == "0":
         return None
     flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
-    key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + os.uname().machine).encode()).hexdigest()[:16]
+    # -march=native code must not be reused on another CPU (a shared home or a baked image): key on it.
+    key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + _cpu_id()).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TANDEM_CACHE_DIR", "~/.cache/tandem")).expanduser() / "kernels"
     so = root / f"paged_attention_{key}.so"
     try:
@@ -165,6 +166,16 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.restype = i32
     _kernel = fn
     return fn
+
+
+def _cpu_id() -> str:
+    ident = os.uname().machine
+    try:
+        with open("/proc/cpuinfo") as f:
+            ident += "".join(ln for ln in f if ln.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    return ident
 
 
 @dataclass

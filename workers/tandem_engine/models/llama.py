@@ -8,6 +8,7 @@ Qwen2 adds a bias to q/k/v; Qwen3 RMS-normalises every q and k head before RoPE.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,15 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size,
         )
         self.eps = float(cfg.rms_norm_eps)
+        window = getattr(cfg, "sliding_window", None)
+        if window and (getattr(cfg, "use_sliding_window", True) or cfg.model_type == "mistral"):
+            # Full attention is exact up to the window; past it the model would need a windowed mask.
+            logger.warning(
+                "%s: sliding_window=%s is not implemented; keep max_model_len <= %s",
+                cfg.model_type,
+                window,
+                window,
+            )
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
