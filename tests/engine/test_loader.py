@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.engine.utils import hf_greedy, paged_greedy
 
 from tandem_engine.models import loader
 from tandem_engine.models.llama import LlamaForCausalLM
+from tests.engine.utils import hf_greedy, paged_greedy
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from tests.engine.utils import hf_greedy, kv_caches, make_meta, paged_greedy, tiny_config
 
 from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
+from tests.engine.utils import hf_greedy, kv_caches, make_meta, paged_greedy, tiny_config
 
 BS = 4
 ATOL = 1e-4

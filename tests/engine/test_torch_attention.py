@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.utils import dense_causal_attention, make_meta
 
 from tandem_engine.attention.torch_backend import TorchAttentionBackend
+from tests.engine.utils import dense_causal_attention, make_meta
 
 BS = 4
 NQ, NKV, D = 6, 2, 8

@@ -35,6 +35,10 @@ def _head_dim(cfg: Any) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
+def _kv_heads(cfg: Any) -> int:
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
 def _rope_parameters(cfg: Any) -> dict[str, Any]:
     """transformers 5 keeps RoPE settings in `rope_parameters`; older configs use rope_theta/rope_scaling."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -85,7 +89,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         h, d = cfg.hidden_size, _head_dim(cfg)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, _kv_heads(cfg), d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.inter = cfg.intermediate_size
         self.eps = float(cfg.rms_norm_eps)
@@ -220,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
-        return KVCacheSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads, _head_dim(hf_config))
+        return KVCacheSpec(hf_config.num_hidden_layers, _kv_heads(hf_config), _head_dim(hf_config))
 
     @torch.inference_mode()
     def forward(

@@ -169,9 +169,10 @@ def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
         gen = GenerationConfig.from_pretrained(d)
     else:
         gen = GenerationConfig.from_model_config(config)
-    out = gen.to_diff_dict()
-    out.pop("transformers_version", None)
-    return out
+    # Only what a server would use as sampling defaults (no bookkeeping keys such as _from_model_config).
+    return {
+        k: v for k, v in gen.to_diff_dict().items() if not k.startswith("_") and k != "transformers_version"
+    }
 
 
 def _build_gguf_cache(gguf: Path, out: Path) -> None:
@@ -183,6 +184,7 @@ def _build_gguf_cache(gguf: Path, out: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(
         gguf.parent,
         gguf_file=gguf.name,
+        config=AutoConfig.from_pretrained(meta),  # spares transformers a second parse of the GGUF header
         quantization_config=GgufConfig(dequantize=True),
         dtype=torch.float32,
     )
