@@ -13,7 +13,7 @@ from tandem_engine.frontend.core_client import CoreClient
 from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
 from tandem_engine.frontend.metrics import EngineMetrics
 from tandem_engine.frontend.output_processor import OutputProcessor
-from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+from tandem_engine.models.loader import eos_token_ids, load_config_and_tokenizer, resolve_model
 from tandem_engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from tandem_engine.sampling_params import SamplingParams
 
@@ -26,7 +26,7 @@ class AsyncLLM(EngineClient):
         src = resolve_model(config.model)
         self.hf_config, self.tokenizer, self.generation_config = load_config_and_tokenizer(src)
         self.model_name = config.served_model_name or src.served_name
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer, self.generation_config)
         self.metrics = EngineMetrics(self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.core = CoreClient(config, self._on_outputs, self._on_dead)
@@ -34,16 +34,6 @@ class AsyncLLM(EngineClient):
         self._dead: BaseException | None = None
         self._draining = False
         self._started = False
-
-    def _eos_ids(self) -> list[int]:
-        ids: set[int] = set()
-        for src in (self.generation_config.get("eos_token_id"), getattr(self.hf_config, "eos_token_id", None),
-                    self.tokenizer.eos_token_id):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, list):
-                ids.update(src)
-        return sorted(ids)
 
     async def start(self) -> None:
         t0 = time.perf_counter()

