@@ -1,7 +1,7 @@
 """Copy the CRDs from crds/ (the source of truth) into charts/tandem/crds/, or check that they match.
 
-    python charts/sync_crds.py          # regenerate the chart's copy
-    python charts/sync_crds.py --check  # exit 1 if the chart's copy has drifted
+python charts/sync_crds.py          # regenerate the chart's copy
+python charts/sync_crds.py --check  # exit 1 if the chart's copy has drifted
 """
 
 from __future__ import annotations

@@ -39,12 +39,18 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
     """The flags prefill and decode must agree on, in a fixed order."""
     e = spec.engine
     args = [
-        "--model", model_path(spec),
-        "--host", "0.0.0.0",
-        "--port", str(e.port),
-        "--dtype", e.dtype,
-        "--max-model-len", str(e.max_model_len),
-        "--block-size", str(e.block_size),
+        "--model",
+        model_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(e.port),
+        "--dtype",
+        e.dtype,
+        "--max-model-len",
+        str(e.max_model_len),
+        "--block-size",
+        str(e.block_size),
     ]
     if e.max_num_seqs is not None:
         args += ["--max-num-seqs", str(e.max_num_seqs)]
@@ -56,8 +62,14 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
 
 
 def engine_command(spec: InferenceServiceSpec, role: Role) -> list[str]:
-    return ["tandem", "serve", *shared_engine_args(spec), "--role", engine_role_flag(spec, role),
-            *spec.engine.extra_args]
+    return [
+        "tandem",
+        "serve",
+        *shared_engine_args(spec),
+        "--role",
+        engine_role_flag(spec, role),
+        *spec.engine.extra_args,
+    ]
 
 
 def router_command(spec: InferenceServiceSpec) -> list[str]:
@@ -70,8 +82,14 @@ def router_command(spec: InferenceServiceSpec) -> list[str]:
     args += ["--policy", ROUTER_POLICIES[r.policy]]
     if r.discovery == "Kubernetes":
         # The router adds the role label itself, per pool.
-        args += ["--discovery", "kubernetes", "--namespace", spec.namespace,
-                 "--selector", f"{LABEL_ISVC}={spec.name}"]
+        args += [
+            "--discovery",
+            "kubernetes",
+            "--namespace",
+            spec.namespace,
+            "--selector",
+            f"{LABEL_ISVC}={spec.name}",
+        ]
     else:
         args += ["--discovery", "static"]
     return args
@@ -82,18 +100,35 @@ def engine_config(spec: InferenceServiceSpec) -> dict[str, Any]:
     e = spec.engine
     kv = spec.kv_transfer
     return {
-        "model": {"uri": spec.model.uri, "path": model_path(spec), "servedName": spec.model.served_name,
-                  "revision": spec.model.revision},
-        "engine": {"dtype": e.dtype, "blockSize": e.block_size, "maxModelLen": e.max_model_len,
-                   "maxNumSeqs": e.max_num_seqs, "maxNumBatchedTokens": e.max_num_batched_tokens,
-                   "port": e.port, "extraArgs": list(e.extra_args)},
-        "kvTransfer": None if kv is None or not spec.disaggregated else {
-            "connector": kv.connector, "sideChannelPort": kv.side_channel_port,
-            "ucxTransports": kv.ucx_transports, "ucxNetDevices": kv.ucx_net_devices,
+        "model": {
+            "uri": spec.model.uri,
+            "path": model_path(spec),
+            "servedName": spec.model.served_name,
+            "revision": spec.model.revision,
+        },
+        "engine": {
+            "dtype": e.dtype,
+            "blockSize": e.block_size,
+            "maxModelLen": e.max_model_len,
+            "maxNumSeqs": e.max_num_seqs,
+            "maxNumBatchedTokens": e.max_num_batched_tokens,
+            "port": e.port,
+            "extraArgs": list(e.extra_args),
+        },
+        "kvTransfer": None
+        if kv is None or not spec.disaggregated
+        else {
+            "connector": kv.connector,
+            "sideChannelPort": kv.side_channel_port,
+            "ucxTransports": kv.ucx_transports,
+            "ucxNetDevices": kv.ucx_net_devices,
         },
         "mode": "disaggregated" if spec.disaggregated else "colocated",
-        "args": {role.value: engine_command(spec, role) for role in (Role.PREFILL, Role.DECODE)
-                 if role is Role.DECODE or spec.disaggregated},
+        "args": {
+            role.value: engine_command(spec, role)
+            for role in (Role.PREFILL, Role.DECODE)
+            if role is Role.DECODE or spec.disaggregated
+        },
     }
 
 

@@ -7,7 +7,6 @@ only what differs from the spec, so events caused by its own writes settle after
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -45,7 +44,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+        prefix=GROUP, key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     if os.environ.get("TANDEM_OPERATOR_NO_SCANNING") == "1":
@@ -66,7 +66,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.index(GROUP, VERSION, PLURAL, id=ISVC_INDEX)
 def index_isvc(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[OwnerKey, dict[str, Any]]:
-    return {(namespace, name): copy.deepcopy(dict(body))}
+    return {(namespace, name): dict(body)}
 
 
 def _index_child(kind: str) -> Any:
@@ -74,13 +74,16 @@ def _index_child(kind: str) -> Any:
         owner = owner_of(body)
         if owner is None:
             return None
-        return {(namespace, owner): ((kind, name), copy.deepcopy(dict(body)))}
+        # kopf builds a new body for every event and never changes it: a shallow copy is enough.
+        return {(namespace, owner): ((kind, name), dict(body))}
+
     return index
 
 
 for _group, _version, _plural, _kind in CHILD_RESOURCES:
     kopf.index(_group, _version, _plural, id=_index_id(_plural), labels={LABEL_ISVC: kopf.PRESENT})(
-        _index_child(_kind))
+        _index_child(_kind)
+    )
 
 
 def observed_children(indexes: Mapping[str, Any], namespace: str | None, name: str) -> dict[ChildKey, Any]:
@@ -97,8 +100,9 @@ def observed_children(indexes: Mapping[str, Any], namespace: str | None, name: s
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-async def reconcile_isvc(body: kopf.Body, namespace: str | None, name: str, memo: kopf.Memo,
-                         logger: kopf.Logger, **kwargs: Any) -> None:
+async def reconcile_isvc(
+    body: kopf.Body, namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
     """Create, update or resume: reconcile now; an invalid spec becomes a condition and an Event."""
     reconciler: Reconciler = memo["reconciler"]
     outcome = await reconciler.reconcile(body, observed_children(kwargs, namespace, name), logger)
@@ -111,36 +115,54 @@ async def reconcile_isvc(body: kopf.Body, namespace: str | None, name: str, memo
             kopf.event(body, type="Warning", reason="ChildConflict", message=conflict)
         raise kopf.TemporaryError("; ".join(outcome.conflicts), delay=30)
     if outcome.created or outcome.patched or outcome.deleted:
-        logger.info("[reconcile] %s %s: %d created, %d updated, %d deleted", KIND, name,
-                    len(outcome.created), len(outcome.patched), len(outcome.deleted))
+        logger.info(
+            "[reconcile] %s %s: %d created, %d updated, %d deleted",
+            KIND,
+            name,
+            len(outcome.created),
+            len(outcome.patched),
+            len(outcome.deleted),
+        )
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def forget_deleted(type: str | None, namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def forget_deleted(
+    type: str | None, namespace: str | None, name: str, memo: kopf.Memo, **_: Any
+) -> None:
     if type == "DELETED" and "reconciler" in memo:
         memo["reconciler"].forget(str(namespace), name)
 
 
-async def on_child_event(type: str | None, body: kopf.Body, namespace: str | None, memo: kopf.Memo,
-                         **kwargs: Any) -> None:
+async def on_child_event(
+    type: str | None, body: kopf.Body, namespace: str | None, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """A child appeared, changed, or went away: reconcile its InferenceService (drift repair, status)."""
     owner = owner_of(body)
     if owner is None or "reconciler" not in memo:
         return
-    parents = list(kwargs.get(ISVC_INDEX, {}).get((namespace, owner), []))
-    if not parents:
-        return  # the InferenceService is gone: garbage collection removes its children
-    parent = parents[0]
-    if (parent.get("metadata") or {}).get("deletionTimestamp"):
-        return
     reconciler: Reconciler = memo["reconciler"]
-    outcome = await reconciler.reconcile(parent, observed_children(kwargs, namespace, owner), logger,
-                                         verify_owner=True)
+    if type == "DELETED":
+        reconciler.child_gone(str(namespace), owner, (str(body.get("kind")), body.metadata.name or ""))
+
+    def latest() -> tuple[Mapping[str, Any] | None, dict[ChildKey, Any]]:
+        # kopf's indexes are live: read them when the reconcile starts, not when the event came.
+        parents = list(kwargs.get(ISVC_INDEX, {}).get((namespace, owner), []))
+        return (parents[0] if parents else None), observed_children(kwargs, namespace, owner)
+
+    outcome = await reconciler.reconcile_latest(str(namespace), owner, latest, logger)
     if outcome.created or outcome.patched:
-        logger.info("[drift] %s/%s after %s of %s/%s: restored %s", namespace, owner, type or "LIST",
-                    body.get("kind"), body.metadata.name, outcome.created + outcome.patched)
+        logger.info(
+            "[drift] %s/%s after %s of %s/%s: restored %s",
+            namespace,
+            owner,
+            type or "LIST",
+            body.get("kind"),
+            body.metadata.name,
+            outcome.created + outcome.patched,
+        )
 
 
 for _group, _version, _plural, _kind in CHILD_RESOURCES:
-    kopf.on.event(_group, _version, _plural, id=f"tandem_child_{_plural}",
-                  labels={LABEL_ISVC: kopf.PRESENT})(on_child_event)
+    kopf.on.event(_group, _version, _plural, id=f"tandem_child_{_plural}", labels={LABEL_ISVC: kopf.PRESENT})(
+        on_child_event
+    )

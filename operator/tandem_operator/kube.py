@@ -66,15 +66,16 @@ class KubeClient:
         """In-cluster credentials when running in a pod, else $KUBECONFIG (read now, not at import)."""
         configuration = k8s.Configuration()
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            k8s_config.load_incluster_config(client_configuration=configuration)
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         else:
-            await k8s_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
-                                              client_configuration=configuration)
+            await k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
         configuration.connection_pool_maxsize = 32
         return cls(k8s.ApiClient(configuration))
 
     async def close(self) -> None:
-        await self.api_client.close()
+        await self.api_client.close()  # type: ignore[no-untyped-call]
 
     def _method(self, kind: str, verb: str) -> Any:
         api_cls, suffix = KINDS[kind]
@@ -107,8 +108,11 @@ class KubeClient:
 
     async def read_isvc(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await _result(await self.custom.get_namespaced_custom_object_without_preload_content(
-                GROUP, VERSION, namespace, PLURAL, name))
+            return await _result(
+                await self.custom.get_namespaced_custom_object_without_preload_content(
+                    GROUP, VERSION, namespace, PLURAL, name
+                )
+            )
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -116,5 +120,8 @@ class KubeClient:
 
     async def patch_isvc_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         method = self.custom.patch_namespaced_custom_object_status_without_preload_content
-        return await _result(await method(GROUP, VERSION, namespace, PLURAL, name, {"status": status},
-                                          _content_type=MERGE_PATCH))
+        return await _result(
+            await method(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _content_type=MERGE_PATCH
+            )
+        )

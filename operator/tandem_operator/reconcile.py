@@ -16,7 +16,7 @@ import asyncio
 import copy
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 ANNOTATION_LAST_APPLIED = f"{GROUP}/last-applied"
 ChildKey = tuple[str, str]  # (kind, name)
+# Returns the service's body (None once gone) and its observed children, as the indexes hold them now.
+Latest = Callable[[], tuple[Mapping[str, Any] | None, Mapping[ChildKey, Mapping[str, Any]]]]
 
 
 @dataclass
@@ -48,14 +50,21 @@ class Outcome:
 
 def contains(actual: Any, desired: Any) -> bool:
     """Whether `actual` already has every field of `desired` (extra fields in `actual` are fine)."""
-    if isinstance(desired, Mapping):
-        if not isinstance(actual, Mapping):
+    # Plain dict/list checks: these run for every child on every event, and ABC checks are slow.
+    if isinstance(desired, dict):
+        if not isinstance(actual, dict):
             return False
-        return all(contains(actual.get(k), v) if v is not None else actual.get(k) is None
-                   for k, v in desired.items())
+        for key, value in desired.items():
+            if value is None:
+                if actual.get(key) is not None:
+                    return False
+            elif not contains(actual.get(key), value):
+                return False
+        return True
     if isinstance(desired, list):
-        return (isinstance(actual, list) and len(actual) == len(desired)
-                and all(contains(a, d) for a, d in zip(actual, desired, strict=True)))
+        if not isinstance(actual, list) or len(actual) != len(desired):
+            return False
+        return all(contains(a, d) for a, d in zip(actual, desired, strict=True))
     return bool(actual == desired)
 
 
@@ -110,58 +119,130 @@ def desired_children(spec: InferenceServiceSpec, body: Mapping[str, Any]) -> lis
     return children
 
 
+@dataclass
+class _ServiceState:
+    """What the operator remembers about one service between reconciles (all of it can be lost)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    queued: bool = False
+    desired_key: tuple[Any, ...] | None = None
+    spec: InferenceServiceSpec | None = None
+    children: list[dict[str, Any]] = field(default_factory=list)
+    # Children this process wrote that the watch may not have delivered yet.
+    written: dict[ChildKey, Mapping[str, Any]] = field(default_factory=dict)
+    status: dict[str, Any] | None = None
+
+
 class Reconciler:
     """Serialises reconciles per InferenceService; different services reconcile concurrently."""
 
     def __init__(self, client: KubeClient) -> None:
         self.client = client
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._services: dict[tuple[str, str], _ServiceState] = {}
 
     def forget(self, namespace: str, name: str) -> None:
-        self._locks.pop((namespace, name), None)
+        self._services.pop((namespace, name), None)
 
-    async def reconcile(self, body: Mapping[str, Any], observed: Mapping[ChildKey, Mapping[str, Any]],
-                        log: logging.Logger | logging.LoggerAdapter[Any] = logger,
-                        verify_owner: bool = False) -> Outcome:
-        """Reconcile one service. With `verify_owner`, `body` may be stale (an index entry): before
-        recreating a missing child, check that the service still exists, so a child deleted by the
-        garbage collector right after its owner is not brought back."""
+    def child_gone(self, namespace: str, owner: str, key: ChildKey) -> None:
+        """A child was deleted: stop trusting what this process last wrote for it."""
+        state = self._services.get((namespace, owner))
+        if state is not None:
+            state.written.pop(key, None)
+
+    async def reconcile(
+        self,
+        body: Mapping[str, Any],
+        observed: Mapping[ChildKey, Mapping[str, Any]],
+        log: logging.Logger | logging.LoggerAdapter[Any] = logger,
+    ) -> Outcome:
+        """Reconcile one service from its current body and observed children."""
         meta = body.get("metadata") or {}
-        key = (str(meta.get("namespace")), str(meta.get("name")))
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            return await self._reconcile(body, observed, log, verify_owner)
+        state = self._services.setdefault(
+            (str(meta.get("namespace")), str(meta.get("name"))), _ServiceState()
+        )
+        async with state.lock:
+            return await self._reconcile(state, body, observed, log, from_child=False)
+
+    async def reconcile_latest(
+        self,
+        namespace: str,
+        name: str,
+        latest: Latest,
+        log: logging.Logger | logging.LoggerAdapter[Any] = logger,
+    ) -> Outcome:
+        """Reconcile after a child's event, reading the service and its children from the indexes
+        only once the lock is held. Calls coalesce: one already waiting will see the newest state.
+        A missing child is recreated only after checking that the service still exists, so a child
+        the garbage collector removes right after its owner is not brought back."""
+        state = self._services.setdefault((namespace, name), _ServiceState())
+        if state.queued:
+            return Outcome()
+        state.queued = True
+        async with state.lock:
+            state.queued = False
+            body, observed = latest()
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                return Outcome()
+            return await self._reconcile(state, body, observed, log, from_child=True)
 
     async def _owner_alive(self, namespace: str, name: str, uid: str) -> bool:
         live = await self.client.read_isvc(namespace, name)
         meta = (live or {}).get("metadata") or {}
         return live is not None and meta.get("uid") == uid and not meta.get("deletionTimestamp")
 
-    async def _reconcile(self, body: Mapping[str, Any], observed: Mapping[ChildKey, Mapping[str, Any]],
-                         log: logging.Logger | logging.LoggerAdapter[Any], verify_owner: bool) -> Outcome:
+    def _desired(
+        self, state: _ServiceState, body: Mapping[str, Any]
+    ) -> tuple[InferenceServiceSpec, list[dict[str, Any]]]:
+        """Parse and render, reusing the last result while the spec and labels are unchanged."""
+        meta = body.get("metadata") or {}
+        labels = tuple(sorted((meta.get("labels") or {}).items()))
+        desired_key = (
+            meta.get("uid"),
+            meta.get("generation"),
+            labels,
+            json.dumps(body.get("spec"), sort_keys=True),
+        )
+        if state.desired_key != desired_key or state.spec is None:
+            spec = parse_spec(dict(body))
+            state.spec, state.children, state.desired_key = spec, desired_children(spec, body), desired_key
+        return state.spec, state.children
+
+    async def _reconcile(
+        self,
+        state: _ServiceState,
+        body: Mapping[str, Any],
+        observed: Mapping[ChildKey, Mapping[str, Any]],
+        log: logging.Logger | logging.LoggerAdapter[Any],
+        from_child: bool,
+    ) -> Outcome:
         outcome = Outcome()
         meta = body.get("metadata") or {}
         namespace, name, uid = str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid"))
         generation = int(meta.get("generation") or 1)
         current_status = dict(body.get("status") or {})
         try:
-            spec = parse_spec(dict(body))
-            children = desired_children(spec, body)
+            spec, children = self._desired(state, body)
         except SpecError as exc:
+            state.desired_key = None
             outcome.problems = exc.problems
             status = invalid_status(exc.problems, generation, current_status)
-            await self._write_status(namespace, name, current_status, status, outcome)
+            await self._write_status(state, namespace, name, current_status, status, outcome, from_child)
             return outcome
 
-        if verify_owner and any(child_key(c) not in observed for c in children):
+        # The index lags behind our own writes: trust what we wrote until the watch catches up.
+        for ck in list(state.written):
+            if ck in observed:
+                del state.written[ck]
+        known: dict[ChildKey, Mapping[str, Any]] = {**state.written, **observed}
+        if from_child and any(child_key(c) not in known for c in children):
             if not await self._owner_alive(namespace, name, uid):
                 return outcome
-        fresh: dict[ChildKey, Mapping[str, Any]] = dict(observed)
+        fresh: dict[ChildKey, Mapping[str, Any]] = dict(known)
         for child in children:
             ck = child_key(child)
-            written = await self._apply(child, observed.get(ck), uid, outcome, log)
+            written = await self._apply(child, known.get(ck), uid, outcome, log)
             if written is not None:
-                fresh[ck] = written
+                fresh[ck] = state.written[ck] = written
         wanted = {child_key(c) for c in children}
         for ck, actual in observed.items():
             if ck not in wanted and controller_uid(actual) == uid:
@@ -169,15 +250,24 @@ class Reconciler:
                 await self.client.delete(ck[0], namespace, ck[1])
                 outcome.deleted.append(ck)
                 fresh.pop(ck, None)
+                state.written.pop(ck, None)
 
-        deployments = {role: _as_dict(fresh.get(("Deployment", workload_name(name, role))))
-                       for role in (Role.PREFILL, Role.DECODE, Role.ROUTER)}
+        deployments = {
+            role: _as_dict(fresh.get(("Deployment", workload_name(name, role))))
+            for role in (Role.PREFILL, Role.DECODE, Role.ROUTER)
+        }
         status = compute_status(spec, generation, deployments, current_status)
-        await self._write_status(namespace, name, current_status, status, outcome)
+        await self._write_status(state, namespace, name, current_status, status, outcome, from_child)
         return outcome
 
-    async def _apply(self, child: dict[str, Any], actual: Mapping[str, Any] | None, uid: str, outcome: Outcome,
-                     log: logging.Logger | logging.LoggerAdapter[Any]) -> Mapping[str, Any] | None:
+    async def _apply(
+        self,
+        child: dict[str, Any],
+        actual: Mapping[str, Any] | None,
+        uid: str,
+        outcome: Outcome,
+        log: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> Mapping[str, Any] | None:
         kind, name = child_key(child)
         namespace = child["metadata"]["namespace"]
         if actual is None:
@@ -209,13 +299,25 @@ class Reconciler:
         log.info("[reconcile] updated %s/%s", kind, name)
         return patched
 
-    async def _write_status(self, namespace: str, name: str, current: dict[str, Any], status: dict[str, Any],
-                            outcome: Outcome) -> None:
+    async def _write_status(
+        self,
+        state: _ServiceState,
+        namespace: str,
+        name: str,
+        current: dict[str, Any],
+        status: dict[str, Any],
+        outcome: Outcome,
+        from_child: bool,
+    ) -> None:
         outcome.status = status
         if same_status(current, status):
+            state.status = status
             return
+        if from_child and state.status is not None and same_status(state.status, status):
+            return  # written already; the index has not caught up yet
         try:
             await self.client.patch_isvc_status(namespace, name, status)
+            state.status = status
             outcome.status_written = True
         except KubeError as exc:
             if exc.status != 404:  # deleted meanwhile: nothing left to report on

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from tandem_operator.args import config_hash, config_json
 from tandem_operator.naming import (
-    ENGINE_ROLES, LABEL_ISVC, Role, child_labels, config_name, router_account_name, selector_labels,
+    ENGINE_ROLES,
+    LABEL_ISVC,
+    Role,
+    child_labels,
+    config_name,
+    router_account_name,
+    selector_labels,
     workload_name,
 )
 from tandem_operator.spec import InferenceServiceSpec
@@ -30,10 +37,17 @@ def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
 def build_engine_service(spec: InferenceServiceSpec, role: Role) -> dict[str, Any]:
     """A headless Service per engine role; its EndpointSlices inherit the labels the router selects on."""
     ports: list[dict[str, Any]] = [
-        {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}]
+        {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}
+    ]
     if spec.disaggregated and spec.kv_transfer is not None:
-        ports.append({"name": "kv-side", "port": spec.kv_transfer.side_channel_port, "targetPort": "kv-side",
-                      "protocol": "TCP"})
+        ports.append(
+            {
+                "name": "kv-side",
+                "port": spec.kv_transfer.side_channel_port,
+                "targetPort": "kv-side",
+                "protocol": "TCP",
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -79,8 +93,13 @@ def build_router_role(spec: InferenceServiceSpec) -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(spec, router_account_name(spec.name), Role.ROUTER),
-        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                   "verbs": ["get", "list", "watch"]}],
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
     }
 
 
@@ -101,7 +120,11 @@ def build_children(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     roles = [role for role in ENGINE_ROLES if role is Role.DECODE or spec.disaggregated]
     children: list[dict[str, Any]] = [build_config_map(spec)]
     if spec.router.discovery == "Kubernetes":
-        children += [build_router_service_account(spec), build_router_role(spec), build_router_role_binding(spec)]
+        children += [
+            build_router_service_account(spec),
+            build_router_role(spec),
+            build_router_role_binding(spec),
+        ]
     else:
         # Static discovery needs no API access, but the pod still names its ServiceAccount.
         children.append(build_router_service_account(spec))
@@ -116,7 +139,7 @@ def child_key(obj: dict[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
-def owner_of(obj: dict[str, Any]) -> str | None:
+def owner_of(obj: Mapping[str, Any]) -> str | None:
     """Name of the InferenceService a child belongs to, from its label."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
     value = labels.get(LABEL_ISVC)

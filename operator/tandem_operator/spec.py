@@ -30,10 +30,20 @@ DISCOVERY = ("Kubernetes", "Static")
 # Flags the operator renders from typed fields; `engine.extraArgs` must not repeat them, or prefill
 # and decode could be made to disagree on what has to match.
 MANAGED_ENGINE_FLAGS = (
-    "--model", "--host", "--port", "--dtype", "--role", "--max-model-len", "--block-size",
-    "--max-num-seqs", "--max-num-batched-tokens", "--kv-side-channel-port",
+    "--model",
+    "--host",
+    "--port",
+    "--dtype",
+    "--role",
+    "--max-model-len",
+    "--block-size",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--kv-side-channel-port",
 )
-MODEL_URI = re.compile(r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/\s]+|/\S*|[a-z0-9][a-z0-9.-]*)$")
+MODEL_URI = re.compile(
+    r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/\s]+|/\S*|[a-z0-9][a-z0-9.-]*)$"
+)
 
 
 class SpecError(ValueError):
@@ -126,9 +136,16 @@ class _Reader:
             return {}
         return value
 
-    def integer(self, obj: dict[str, Any], key: str, path: str, default: int | None,
-                minimum: int | None = None, maximum: int | None = None,
-                choices: tuple[int, ...] | None = None) -> int | None:
+    def integer(
+        self,
+        obj: dict[str, Any],
+        key: str,
+        path: str,
+        default: int | None,
+        minimum: int | None = None,
+        maximum: int | None = None,
+        choices: tuple[int, ...] | None = None,
+    ) -> int | None:
         value = obj.get(key, default)
         if value is None:
             return None
@@ -147,8 +164,14 @@ class _Reader:
         value = self.integer(obj, key, path, default, **limits)
         return default if value is None else value
 
-    def string(self, obj: dict[str, Any], key: str, path: str, default: str | None,
-               choices: tuple[str, ...] | None = None) -> str | None:
+    def string(
+        self,
+        obj: dict[str, Any],
+        key: str,
+        path: str,
+        default: str | None,
+        choices: tuple[str, ...] | None = None,
+    ) -> str | None:
         value = obj.get(key, default)
         if value is None:
             return None
@@ -199,7 +222,9 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
     engine = _engine(r, r.section(spec, "engine", "spec"))
     kv = _kv_transfer(r, spec)
     prefill_raw = spec.get("prefill")
-    prefill = _role(r, r.section(spec, "prefill", "spec"), "spec.prefill", enabled_default=prefill_raw is not None)
+    prefill = _role(
+        r, r.section(spec, "prefill", "spec"), "spec.prefill", enabled_default=prefill_raw is not None
+    )
     decode = _role(r, r.section(spec, "decode", "spec"), "spec.decode", enabled_default=True)
     router = _router(r, r.section(spec, "router", "spec"), engine.image)
 
@@ -207,13 +232,24 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
         r.problems.append("spec.kvTransfer: a KV connector is required when prefill is enabled")
     if kv is not None and kv.side_channel_port == engine.port:
         r.problems.append("spec.kvTransfer.sideChannelPort: must differ from spec.engine.port")
-    if (engine.max_num_seqs is not None and engine.max_num_batched_tokens is not None
-            and engine.max_num_batched_tokens < engine.max_num_seqs):
+    if (
+        engine.max_num_seqs is not None
+        and engine.max_num_batched_tokens is not None
+        and engine.max_num_batched_tokens < engine.max_num_seqs
+    ):
         r.problems.append("spec.engine.maxNumBatchedTokens: must be >= spec.engine.maxNumSeqs")
     if r.problems:
         raise SpecError(r.problems)
-    return InferenceServiceSpec(name=name, namespace=namespace, model=model, engine=engine, kv_transfer=kv,
-                                prefill=prefill, decode=decode, router=router)
+    return InferenceServiceSpec(
+        name=name,
+        namespace=namespace,
+        model=model,
+        engine=engine,
+        kv_transfer=kv,
+        prefill=prefill,
+        decode=decode,
+        router=router,
+    )
 
 
 def _model(r: _Reader, raw: dict[str, Any]) -> ModelSpec:
@@ -224,8 +260,12 @@ def _model(r: _Reader, raw: dict[str, Any]) -> ModelSpec:
     elif not MODEL_URI.match(uri):
         r.problems.append(f"spec.model.uri: {uri!r} is not a pvc://, hf:// URI, an absolute path or an alias")
     served = r.string(raw, "servedName", "spec.model", None) or served_name_for(uri)
-    return ModelSpec(uri=uri, served_name=served, revision=r.string(raw, "revision", "spec.model", None),
-                     auth_secret_name=r.string(raw, "authSecretName", "spec.model", None))
+    return ModelSpec(
+        uri=uri,
+        served_name=served,
+        revision=r.string(raw, "revision", "spec.model", None),
+        auth_secret_name=r.string(raw, "authSecretName", "spec.model", None),
+    )
 
 
 def _engine(r: _Reader, raw: dict[str, Any]) -> EngineSpec:
@@ -233,14 +273,19 @@ def _engine(r: _Reader, raw: dict[str, Any]) -> EngineSpec:
     extra = r.strings(raw, "extraArgs", p)
     for arg in extra:
         if arg.split("=", 1)[0] in MANAGED_ENGINE_FLAGS:
-            r.problems.append(f"{p}.extraArgs: {arg.split('=', 1)[0]} is set from typed fields, not extraArgs")
+            r.problems.append(
+                f"{p}.extraArgs: {arg.split('=', 1)[0]} is set from typed fields, not extraArgs"
+            )
     env = raw.get("env") or []
-    if not isinstance(env, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in env):
+    if not isinstance(env, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) for e in env
+    ):
         r.problems.append(f"{p}.env: must be a list of {{name, value | valueFrom}}")
         env = []
     return EngineSpec(
         image=r.string(raw, "image", p, DEFAULT_IMAGE) or DEFAULT_IMAGE,
-        image_pull_policy=r.string(raw, "imagePullPolicy", p, "IfNotPresent", PULL_POLICIES) or "IfNotPresent",
+        image_pull_policy=r.string(raw, "imagePullPolicy", p, "IfNotPresent", PULL_POLICIES)
+        or "IfNotPresent",
         dtype=r.string(raw, "dtype", p, "auto", DTYPES) or "auto",
         block_size=r.required_int(raw, "blockSize", p, 16, choices=BLOCK_SIZES),
         max_model_len=r.required_int(raw, "maxModelLen", p, 2048, minimum=16, maximum=1048576),
@@ -276,7 +321,9 @@ def _role(r: _Reader, raw: dict[str, Any], p: str, enabled_default: bool) -> Rol
         replicas=r.required_int(raw, "replicas", p, 1, minimum=0, maximum=1000),
         resources=r.mapping(raw, "resources", p),
         pod_template=r.mapping(raw, "podTemplate", p),
-        startup_seconds=r.required_int(startup, "maxSeconds", f"{p}.startup", 1800, minimum=10, maximum=86400),
+        startup_seconds=r.required_int(
+            startup, "maxSeconds", f"{p}.startup", 1800, minimum=10, maximum=86400
+        ),
         drain_seconds=r.required_int(raw, "drainSeconds", p, 30, minimum=0, maximum=3600),
     )
 

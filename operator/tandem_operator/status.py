@@ -29,8 +29,12 @@ class RoleState:
     message: str
 
     def as_status(self) -> dict[str, Any]:
-        return {"replicas": self.desired, "readyReplicas": self.ready, "updatedReplicas": self.updated,
-                "ready": f"{self.ready}/{self.desired}"}
+        return {
+            "replicas": self.desired,
+            "readyReplicas": self.ready,
+            "updatedReplicas": self.updated,
+            "ready": f"{self.ready}/{self.desired}",
+        }
 
 
 def now() -> str:
@@ -49,41 +53,79 @@ def role_state(deployment: dict[str, Any] | None, desired: int) -> RoleState:
     spec_replicas = int((deployment.get("spec") or {}).get("replicas", desired))
     for cond in st.get("conditions") or []:
         if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
-            return RoleState(desired, ready, updated, False, "ProgressDeadlineExceeded",
-                             str(cond.get("message") or "the rollout exceeded its progress deadline"))
+            return RoleState(
+                desired,
+                ready,
+                updated,
+                False,
+                "ProgressDeadlineExceeded",
+                str(cond.get("message") or "the rollout exceeded its progress deadline"),
+            )
     if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 1) or spec_replicas != desired:
-        return RoleState(desired, ready, updated, False, "RolloutPending",
-                         "the Deployment controller has not observed the latest spec")
+        return RoleState(
+            desired,
+            ready,
+            updated,
+            False,
+            "RolloutPending",
+            "the Deployment controller has not observed the latest spec",
+        )
     if desired == 0:
         return RoleState(desired, ready, updated, False, "ScaledToZero", "the role has 0 replicas")
     if updated < desired or total > updated:
-        return RoleState(desired, ready, updated, False, "RolloutInProgress",
-                         f"{updated}/{desired} replicas updated, {total} in total")
+        return RoleState(
+            desired,
+            ready,
+            updated,
+            False,
+            "RolloutInProgress",
+            f"{updated}/{desired} replicas updated, {total} in total",
+        )
     if ready < desired:
         return RoleState(desired, ready, updated, False, "PodsNotReady", f"{ready}/{desired} replicas ready")
     return RoleState(desired, ready, updated, True, "ReplicasReady", f"{ready}/{desired} replicas ready")
 
 
-def _condition(ctype: str, ok: bool | None, reason: str, message: str, generation: int,
-               previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _condition(
+    ctype: str,
+    ok: bool | None,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
     old = previous.get(ctype)
     changed = old is None or old.get("status") != status
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": now() if changed else old.get("lastTransitionTime", now()),  # type: ignore[union-attr]
-            "observedGeneration": generation}
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now() if changed else old.get("lastTransitionTime", now()),  # type: ignore[union-attr]
+        "observedGeneration": generation,
+    }
 
 
 def _previous(current_status: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in current_status.get("conditions") or [] if isinstance(c, dict) and "type" in c}
+    return {
+        c["type"]: c for c in current_status.get("conditions") or [] if isinstance(c, dict) and "type" in c
+    }
 
 
-def compute_status(spec: InferenceServiceSpec, generation: int, deployments: dict[Role, dict[str, Any] | None],
-                   current_status: dict[str, Any]) -> dict[str, Any]:
+def compute_status(
+    spec: InferenceServiceSpec,
+    generation: int,
+    deployments: dict[Role, dict[str, Any] | None],
+    current_status: dict[str, Any],
+) -> dict[str, Any]:
     """The full status for a valid spec, given the observed role Deployments."""
     previous = _previous(current_status)
-    desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas,
-               Role.ROUTER: spec.router.replicas}
+    desired = {
+        Role.PREFILL: spec.prefill.replicas,
+        Role.DECODE: spec.decode.replicas,
+        Role.ROUTER: spec.router.replicas,
+    }
     states: dict[Role, RoleState] = {}
     for role in (Role.PREFILL, Role.DECODE, Role.ROUTER):
         if role is Role.PREFILL and not spec.disaggregated:
@@ -95,14 +137,34 @@ def compute_status(spec: InferenceServiceSpec, generation: int, deployments: dic
             s = states[role]
             conditions.append(_condition(ctype, s.ok, s.reason, s.message, generation, previous))
         else:
-            conditions.append(_condition(ctype, True, "Disabled", "prefill is disabled: engines serve colocated",
-                                         generation, previous))
+            conditions.append(
+                _condition(
+                    ctype,
+                    True,
+                    "Disabled",
+                    "prefill is disabled: engines serve colocated",
+                    generation,
+                    previous,
+                )
+            )
     not_ready = [f"{role.value}: {s.reason}" for role, s in states.items() if not s.ok]
     if not_ready:
-        conditions.append(_condition("Ready", False, "RolesNotReady", "; ".join(not_ready), generation, previous))
+        conditions.append(
+            _condition("Ready", False, "RolesNotReady", "; ".join(not_ready), generation, previous)
+        )
     else:
-        conditions.append(_condition("Ready", True, "AllRolesReady", "prefill, decode and router are ready"
-                                     if spec.disaggregated else "decode and router are ready", generation, previous))
+        conditions.append(
+            _condition(
+                "Ready",
+                True,
+                "AllRolesReady",
+                "prefill, decode and router are ready"
+                if spec.disaggregated
+                else "decode and router are ready",
+                generation,
+                previous,
+            )
+        )
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": conditions,

@@ -8,7 +8,12 @@ from typing import Any
 
 from tandem_operator.args import MODEL_DIR, engine_command, router_command
 from tandem_operator.naming import (
-    ANNOTATION_CONFIG_HASH, Role, child_labels, config_name, router_account_name, selector_labels,
+    ANNOTATION_CONFIG_HASH,
+    Role,
+    child_labels,
+    config_name,
+    router_account_name,
+    selector_labels,
     workload_name,
 )
 from tandem_operator.spec import InferenceServiceSpec, RoleSpec
@@ -20,18 +25,33 @@ ROUTER_CONTAINER = "router"
 
 
 def pod_security_context() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def container_security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "privileged": False, "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def http_probe(port_name: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": period,
-            "failureThreshold": failures, "timeoutSeconds": timeout, "successThreshold": 1}
+    return {
+        "httpGet": {"path": "/health", "port": port_name},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+        "successThreshold": 1,
+    }
 
 
 def prestop_drain() -> dict[str, Any]:
@@ -88,6 +108,7 @@ def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "XDG_CACHE_HOME", "value": "/cache"},
         {"name": "TANDEM_SERVED_MODEL_NAME", "value": spec.model.served_name},
     ]
     kv = spec.kv_transfer
@@ -109,21 +130,38 @@ def _model_download(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     args = ["download", repo, "--local-dir", f"{MODEL_DIR}/{repo}"]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/cache/huggingface"}]
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/cache/huggingface"},
+    ]
     if spec.model.auth_secret_name:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": spec.model.auth_secret_name, "key": "token"}}})
-    return [{
-        "name": "model-download", "image": spec.engine.image, "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": ["hf"], "args": args, "env": env,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "cache", "mountPath": "/cache"}],
-        "securityContext": container_security_context(),
-    }]
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": spec.model.auth_secret_name, "key": "token"}},
+            }
+        )
+    return [
+        {
+            "name": "model-download",
+            "image": spec.engine.image,
+            "imagePullPolicy": spec.engine.image_pull_policy,
+            "command": ["hf"],
+            "args": args,
+            "env": env,
+            "volumeMounts": [
+                {"name": "model", "mountPath": MODEL_DIR},
+                {"name": "tmp", "mountPath": "/tmp"},
+                {"name": "cache", "mountPath": "/cache"},
+            ],
+            "securityContext": container_security_context(),
+        }
+    ]
 
 
-def _deployment(spec: InferenceServiceSpec, role: Role, replicas: int, pod: dict[str, Any],
-                progress_deadline: int) -> dict[str, Any]:
+def _deployment(
+    spec: InferenceServiceSpec, role: Role, replicas: int, pod: dict[str, Any], progress_deadline: int
+) -> dict[str, Any]:
     name = workload_name(spec.name, role)
     return {
         "apiVersion": "apps/v1",
@@ -140,7 +178,9 @@ def _deployment(spec: InferenceServiceSpec, role: Role, replicas: int, pod: dict
     }
 
 
-def _finish_pod(spec: InferenceServiceSpec, role: Role, pod: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def _finish_pod(
+    spec: InferenceServiceSpec, role: Role, pod: dict[str, Any], overrides: dict[str, Any]
+) -> dict[str, Any]:
     merged = merge_overrides(pod, overrides)
     # Overrides may add labels but never change the ones the selector and the router rely on.
     merged.setdefault("metadata", {}).setdefault("labels", {}).update(child_labels(spec.name, role))
@@ -154,7 +194,9 @@ def build_engine_deployment(spec: InferenceServiceSpec, role: Role, config_hash:
     volumes, mounts = _engine_volumes(spec)
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
     if spec.disaggregated and spec.kv_transfer is not None:
-        ports.append({"name": "kv-side", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"})
+        ports.append(
+            {"name": "kv-side", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"}
+        )
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
@@ -164,17 +206,26 @@ def build_engine_deployment(spec: InferenceServiceSpec, role: Role, config_hash:
         "ports": ports,
         "env": _engine_env(spec),
         "volumeMounts": mounts,
-        "startupProbe": http_probe("http", period=10, failures=math.ceil(role_spec.startup_seconds / 10), timeout=5),
+        "startupProbe": http_probe(
+            "http", period=10, failures=math.ceil(role_spec.startup_seconds / 10), timeout=5
+        ),
         "readinessProbe": http_probe("http", period=5, failures=2),
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6,
-                          "timeoutSeconds": 3},
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+            "timeoutSeconds": 3,
+        },
         "lifecycle": prestop_drain(),
         "securityContext": container_security_context(),
     }
     if role_spec.resources:
         container["resources"] = copy.deepcopy(role_spec.resources)
     pod: dict[str, Any] = {
-        "metadata": {"labels": child_labels(spec.name, role), "annotations": {ANNOTATION_CONFIG_HASH: config_hash}},
+        "metadata": {
+            "labels": child_labels(spec.name, role),
+            "annotations": {ANNOTATION_CONFIG_HASH: config_hash},
+        },
         "spec": {
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
@@ -205,8 +256,12 @@ def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "startupProbe": http_probe("http", period=2, failures=60),
         "readinessProbe": http_probe("http", period=5, failures=2),
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3,
-                          "timeoutSeconds": 3},
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+            "timeoutSeconds": 3,
+        },
         "lifecycle": prestop_drain(),
         "securityContext": container_security_context(),
     }

@@ -1,4 +1,4 @@
-"""Fixtures for the operator tests: a realistic KMock apiserver, a kubeconfig for it, a clean kopf registry."""
+"""Fixtures for the operator tests: a kubeconfig for the KMock apiserver and a clean kopf registry."""
 
 from __future__ import annotations
 

@@ -32,9 +32,11 @@ EMPTY_KUBECONFIG = "apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\nus
 
 
 def kubeconfig(url: str) -> str:
-    return (f"apiVersion: v1\nkind: Config\ncurrent-context: kmock\nclusters:\n- name: kmock\n  cluster:\n"
-            f"    server: {url}\nusers:\n- name: kmock\n  user:\n    token: test\ncontexts:\n- name: kmock\n"
-            f"  context:\n    cluster: kmock\n    user: kmock\n    namespace: {NAMESPACE}\n")
+    return (
+        f"apiVersion: v1\nkind: Config\ncurrent-context: kmock\nclusters:\n- name: kmock\n  cluster:\n"
+        f"    server: {url}\nusers:\n- name: kmock\n  user:\n    token: test\ncontexts:\n- name: kmock\n"
+        f"  context:\n    cluster: kmock\n    user: kmock\n    namespace: {NAMESPACE}\n"
+    )
 
 
 async def install(chart: str, values_file: str | None) -> dict[str, Any]:
@@ -43,15 +45,21 @@ async def install(chart: str, values_file: str | None) -> dict[str, Any]:
         prepare(emulator)
         config = helm_sdkpy.Configuration(namespace=NAMESPACE, kubeconfig=kubeconfig(str(server.url)))
         try:
-            release = await helm_sdkpy.Install(config).run("tandem", chart, values=values or None, wait=False,
-                                                           timeout=60)
+            release = await helm_sdkpy.Install(config).run(
+                "tandem", chart, values=values or None, wait=False, timeout=60
+            )
             error = None
         except helm_sdkpy.HelmError as exc:
             release, error = {}, str(exc)
         objects = [obj.raw for obj in emulator.objects.values() if not obj.deleted]
-    return {"values": values_file, "error": error, "manifest": release.get("manifest", ""),
-            "hooks": [hook.get("manifest", "") for hook in release.get("hooks") or []],
-            "notes": (release.get("info") or {}).get("notes", ""), "objects": objects}
+    return {
+        "values": values_file,
+        "error": error,
+        "manifest": release.get("manifest", ""),
+        "hooks": [hook.get("manifest", "") for hook in release.get("hooks") or []],
+        "notes": (release.get("info") or {}).get("notes", ""),
+        "objects": objects,
+    }
 
 
 async def main(argv: list[str]) -> int:

@@ -58,8 +58,13 @@ def prepare(emulator: kmock.KubernetesEmulator) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         emulator.resources.load_bundled()
     emulator.resources["serving.tandem.dev/v1alpha1/inferenceservices"] = kmock.ResourceInfo(
-        kind="InferenceService", singular="inferenceservice", shortnames={"tisvc"}, namespaced=True,
-        verbs={"list", "watch", "get", "create", "patch", "delete"}, subresources={"status"})
+        kind="InferenceService",
+        singular="inferenceservice",
+        shortnames={"tisvc"},
+        namespaced=True,
+        verbs={"list", "watch", "get", "create", "patch", "delete"},
+        subresources={"status"},
+    )
 
 
 class Api:
@@ -98,8 +103,9 @@ class Api:
             items: list[dict[str, Any]] = data["items"]
             return items
 
-    async def patch(self, kind: str, name: str, patch: dict[str, Any], ns: str = "default",
-                    sub: str | None = None) -> dict[str, Any]:
+    async def patch(
+        self, kind: str, name: str, patch: dict[str, Any], ns: str = "default", sub: str | None = None
+    ) -> dict[str, Any]:
         headers = {"Content-Type": "application/merge-patch+json"}
         async with self.session.patch(self._url(kind, ns, name, sub), json=patch, headers=headers) as resp:
             data: dict[str, Any] = await resp.json()
@@ -116,12 +122,19 @@ class Api:
         dep = await self.get("Deployment", name, ns)
         assert dep is not None
         replicas = dep["spec"]["replicas"]
-        status = {"observedGeneration": dep["metadata"]["generation"], "replicas": replicas,
-                  "updatedReplicas": replicas, "readyReplicas": ready, "availableReplicas": ready}
+        status = {
+            "observedGeneration": dep["metadata"]["generation"],
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        }
         await self.patch("Deployment", name, {"status": status}, ns, sub="status")
 
 
-async def eventually(probe: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.02) -> Any:
+async def eventually(
+    probe: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.02
+) -> Any:
     """Poll `probe` until it returns something truthy; fail with its last value after `timeout`."""
     deadline = time.monotonic() + timeout
     last: Any = None

@@ -12,6 +12,7 @@ every kmock upgrade (pinned to 0.8).
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime
 import logging
@@ -37,9 +38,11 @@ class RealisticEmulator(kmock.KubernetesEmulator):
     _revision: int = 0
     # kmock matches every request against its whole request history (quadratic over a run); the
     # tests assert on objects, not on requests, so only the newest few are kept.
-    keep_requests: int = 4
+    keep_requests: int = 1
     # kmock reports a K3s 1.26 server; the chart needs >= 1.28 (what kubernetes-validate checks too).
     kube_version: str = "1.31.0"
+    # Requests served, by HTTP method (for benchmarks: writes per reconcile).
+    served: collections.Counter[str] = attrs.field(factory=collections.Counter)
 
     def _next_revision(self) -> str:
         self._revision += 1
@@ -48,6 +51,10 @@ class RealisticEmulator(kmock.KubernetesEmulator):
     def watchers(self, resource: str) -> int:
         """How many watch streams are open on a resource (e.g. to know that kopf is listening)."""
         return self._buses[kmock.resource(resource)].consumer_count
+
+    def exists(self, resource: str, namespace: str, name: str) -> bool:
+        key = (kmock.resource(resource), namespace, name)
+        return key in self.objects and not self.objects[key].deleted
 
     def stored(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The live object as stored (a copy), or None; read without going through HTTP."""
@@ -66,11 +73,17 @@ class RealisticEmulator(kmock.KubernetesEmulator):
         if "protobuf" in raw_request.headers.get("Content-Type", ""):
             # Only JSON is spoken here (kmock would fail to decode the body with a 500).
             await raw_request.read()
-            return await self._render_error(kmock.KubernetesError(
-                status=415, reason="UnsupportedMediaType", message="only application/json bodies are supported"))
+            return await self._render_error(
+                kmock.KubernetesError(
+                    status=415,
+                    reason="UnsupportedMediaType",
+                    message="only application/json bodies are supported",
+                )
+            )
         return await super().__call__(raw_request)
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        self.served[str(request.method.value if request.method is not None else "?")] += 1
         if len(self._requests) > self.keep_requests:
             del self._requests[: -self.keep_requests]
         action = request.action
@@ -156,9 +169,41 @@ class RealisticEmulator(kmock.KubernetesEmulator):
             exc = kmock.KubernetesError(status=422, reason="Invalid", message=str(exc))
         return await super()._render_error(exc)
 
+    # kmock finds an object by scanning every stored object; a dict lookup is O(1).
+    def _lookup(
+        self, request: rendering.Request, namespace: str | None, name: str | None
+    ) -> kmock.Object | None:
+        key = (request.resource, namespace, name)
+        return self._objects[key] if key in self._objects else None
+
     async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
-        payload = await super()._serve_create(request)
+        meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}
+        async with self._lock:
+            obj = self._lookup(
+                request, request.namespace or meta.get("namespace"), request.name or meta.get("name")
+            )
+            assert obj is not None  # created in _handle()
+            payload = obj.raw
         return kmock.Response(status=201, payload=payload)
+
+    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+        async with self._lock:
+            obj = self._lookup(request, request.namespace, request.name)
+            if obj is None or obj.deleted:
+                raise kmock.KubernetesObjectNotFoundError()
+            return obj.raw
+
+    async def _serve_update(self, request: rendering.Request) -> rendering.Payload:
+        async with self._lock:
+            obj = self._lookup(request, request.namespace, request.name)
+            assert obj is not None  # updated in _handle()
+            return obj.last.raw
+
+    async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
+        async with self._lock:
+            obj = self._lookup(request, request.namespace, request.name)
+            assert obj is not None  # deleted in _handle()
+            return obj.last.raw
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         for resource in self._get_resources():
@@ -191,10 +236,7 @@ class RealisticEmulator(kmock.KubernetesEmulator):
         # Snapshot and subscribe atomically: nothing written in between can be lost.
         async with self._lock:
             objs = self._KubernetesEmulator__get_objs(request, strict=False)  # type: ignore[attr-defined]
-            snapshot = [
-                obj.raw for obj in objs
-                if not obj.deleted and _revision_of(obj.raw) > since
-            ]
+            snapshot = [obj.raw for obj in objs if not obj.deleted and _revision_of(obj.raw) > since]
             marker = await bus.mark()
         try:
             for raw in snapshot:

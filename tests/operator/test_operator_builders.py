@@ -38,16 +38,29 @@ def rendered(obj: dict[str, Any]) -> list[dict[str, Any]]:
 VARIANTS = {
     "disaggregated": body(),
     "colocated": body("colocated"),
-    "hf-static-router": body(model={"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "12fd25f",
-                                    "authSecretName": "hf-token"},
-                             router={"discovery": "Static", "policy": "SessionAffinity"}),
-    "pvc-overrides": body(model={"uri": "pvc://models/llama/3.1-8b"},
-                          decode={"replicas": 3, "podTemplate": {
-                              "metadata": {"labels": {"team": "a", LABEL_ROLE: "hijack"}},
-                              "spec": {"nodeSelector": {"gpu": "h200"},
-                                       "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                                       "containers": [{"name": "engine", "env": [{"name": "X", "value": "1"}]}]}},
-                                  "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}}}),
+    "hf-static-router": body(
+        model={
+            "uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+            "revision": "12fd25f",
+            "authSecretName": "hf-token",
+        },
+        router={"discovery": "Static", "policy": "SessionAffinity"},
+    ),
+    "pvc-overrides": body(
+        model={"uri": "pvc://models/llama/3.1-8b"},
+        decode={
+            "replicas": 3,
+            "podTemplate": {
+                "metadata": {"labels": {"team": "a", LABEL_ROLE: "hijack"}},
+                "spec": {
+                    "nodeSelector": {"gpu": "h200"},
+                    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [{"name": "engine", "env": [{"name": "X", "value": "1"}]}],
+                },
+            },
+            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}},
+        },
+    ),
 }
 
 
@@ -60,8 +73,10 @@ def test_every_child_is_valid_kubernetes(variant: str) -> None:
             try:
                 kubernetes_validate.validate(child, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
-                pytest.fail(f"{child['kind']}/{child['metadata']['name']} invalid for {version}: "
-                            f"{'.'.join(map(str, exc.path))}: {exc.message}")
+                pytest.fail(
+                    f"{child['kind']}/{child['metadata']['name']} invalid for {version}: "
+                    f"{'.'.join(map(str, exc.path))}: {exc.message}"
+                )
 
 
 def test_validation_can_fail() -> None:
@@ -110,8 +125,9 @@ def test_pods_are_hardened(variant: str) -> None:
         assert main["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
         assert pod["terminationGracePeriodSeconds"] > 5
         is_router = child["metadata"]["labels"][LABEL_ROLE] == "router"
-        assert pod["automountServiceAccountToken"] is (is_router and "--discovery" in main["args"]
-                                                       and "kubernetes" in main["args"])
+        assert pod["automountServiceAccountToken"] is (
+            is_router and "--discovery" in main["args"] and "kubernetes" in main["args"]
+        )
 
 
 def test_prefill_and_decode_cannot_disagree() -> None:
@@ -119,11 +135,31 @@ def test_prefill_and_decode_cannot_disagree() -> None:
     prefill, decode = engine_command(spec, Role.PREFILL), engine_command(spec, Role.DECODE)
     shared = shared_engine_args(spec)
     assert prefill[:2] == decode[:2] == ["tandem", "serve"]
-    assert prefill[2:2 + len(shared)] == decode[2:2 + len(shared)] == shared
-    assert prefill[2 + len(shared):] == ["--role", "prefill"] and decode[2 + len(shared):] == ["--role", "decode"]
-    assert shared == ["--model", "smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16",
-                      "--max-model-len", "2048", "--block-size", "16", "--max-num-seqs", "64",
-                      "--max-num-batched-tokens", "2048", "--kv-side-channel-port", "5600"]
+    assert prefill[2 : 2 + len(shared)] == decode[2 : 2 + len(shared)] == shared
+    assert prefill[2 + len(shared) :] == ["--role", "prefill"] and decode[2 + len(shared) :] == [
+        "--role",
+        "decode",
+    ]
+    assert shared == [
+        "--model",
+        "smollm2-135m-instruct",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "2048",
+        "--kv-side-channel-port",
+        "5600",
+    ]
     digest = config_hash(spec)
     p_dep = build_engine_deployment(spec, Role.PREFILL, digest)
     d_dep = build_engine_deployment(spec, Role.DECODE, digest)
@@ -147,12 +183,29 @@ def test_startup_budget_and_colocated_role() -> None:
 def test_router_command_lines() -> None:
     spec = parse_spec(body())
     assert router_command(spec) == [
-        "tandem", "route", "--host", "0.0.0.0", "--port", "8000",
-        "--decode", "http://smollm2-pd-decode.team-a.svc:8000", "--prefill", "http://smollm2-pd-prefill.team-a.svc:8000",
-        "--policy", "prefix-aware", "--discovery", "kubernetes", "--namespace", "team-a",
-        "--selector", f"{LABEL_ISVC}=smollm2-pd"]
+        "tandem",
+        "route",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--decode",
+        "http://smollm2-pd-decode.team-a.svc:8000",
+        "--prefill",
+        "http://smollm2-pd-prefill.team-a.svc:8000",
+        "--policy",
+        "prefix-aware",
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        "team-a",
+        "--selector",
+        f"{LABEL_ISVC}=smollm2-pd",
+    ]
     static = parse_spec(body("colocated", router={"discovery": "Static"}))
-    assert router_command(static)[-2:] == ["--discovery", "static"] and "--prefill" not in router_command(static)
+    assert router_command(static)[-2:] == ["--discovery", "static"] and "--prefill" not in router_command(
+        static
+    )
 
 
 def test_model_sources() -> None:
@@ -161,7 +214,9 @@ def test_model_sources() -> None:
     pod = dep["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/llama/3.1-8b"
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
+        "volumes"
+    ]
     hf = parse_spec(VARIANTS["hf-static-router"])
     pod = build_engine_deployment(hf, Role.PREFILL, "h")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
@@ -178,7 +233,9 @@ def test_pod_template_overrides_merge_but_keep_selector_labels() -> None:
     assert tmpl["spec"]["nodeSelector"] == {"gpu": "h200"}
     (container,) = tmpl["spec"]["containers"]
     assert container["name"] == "engine" and container["args"][0] == "serve"
-    assert {"name": "X", "value": "1"} in container["env"] and any(e["name"] == "POD_IP" for e in container["env"])
+    assert {"name": "X", "value": "1"} in container["env"] and any(
+        e["name"] == "POD_IP" for e in container["env"]
+    )
     assert container["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}}
     assert merge_overrides({"a": [1, 2]}, {"a": [3]}) == {"a": [3]}
 
@@ -190,8 +247,13 @@ def test_services_and_rbac() -> None:
     assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "kv-side"}
     assert svc["metadata"]["labels"][LABEL_ROLE] == "prefill"  # EndpointSlices inherit these
     role = build_router_role(spec)
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     config = next(c for c in build_children(spec) if c["kind"] == "ConfigMap")
     doc = json.loads(config["data"]["engine-config.json"])
     assert doc["engine"]["blockSize"] == 16 and doc["mode"] == "disaggregated"
@@ -199,14 +261,23 @@ def test_services_and_rbac() -> None:
 
 
 def test_spec_errors_are_collected() -> None:
-    bad = body(decode={"replicas": -2}, router={"policy": "Random", "replicas": "x"},
-               engine={"extraArgs": ["--block-size", "8"], "blockSize": 12})
+    bad = body(
+        decode={"replicas": -2},
+        router={"policy": "Random", "replicas": "x"},
+        engine={"extraArgs": ["--block-size", "8"], "blockSize": 12},
+    )
     bad["spec"].pop("kvTransfer")
     with pytest.raises(SpecError) as info:
         parse_spec(bad)
     text = str(info.value)
-    for needle in ("spec.decode.replicas", "spec.router.policy", "spec.router.replicas", "spec.engine.extraArgs",
-                   "spec.engine.blockSize", "spec.kvTransfer"):
+    for needle in (
+        "spec.decode.replicas",
+        "spec.router.policy",
+        "spec.router.replicas",
+        "spec.engine.extraArgs",
+        "spec.engine.blockSize",
+        "spec.kvTransfer",
+    ):
         assert needle in text
     with pytest.raises(SpecError):
         parse_spec({"metadata": {"name": "x"}})

@@ -25,14 +25,22 @@ CHART = REPO / "charts" / "tandem"
 GOLDEN = CHART / "examples" / "golden"
 K8S_VERSIONS = ("1.28", "1.37")
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("helm_sdkpy") is None,
-                                reason="helm-sdkpy not installed (pip install --ignore-requires-python helm-sdkpy)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("helm_sdkpy") is None,
+    reason="helm-sdkpy not installed (pip install --ignore-requires-python helm-sdkpy)",
+)
 
 
 def _render(values: list[Path]) -> dict[str, Any]:
     env = dict(os.environ, HELM_DRIVER="memory", PYTHONPATH=os.pathsep.join(["operator", "workers", "."]))
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "operator" / "helm_render.py"), str(CHART),
-                          *map(str, values)], capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "operator" / "helm_render.py"), str(CHART), *map(str, values)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout)
     return result
@@ -101,7 +109,11 @@ def test_operator_deployment(rendered: dict[str, Any]) -> None:
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/tandem-dev/tandem-operator:0.1.0"
-    assert container["args"][:3] == ["--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["args"][:3] == [
+        "--standalone",
+        "--all-namespaces",
+        "--liveness=http://0.0.0.0:8080/healthz",
+    ]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -141,8 +153,9 @@ def test_rbac_is_least_privilege(rendered: dict[str, Any]) -> None:
     for role in roles:
         assert ("apiextensions.k8s.io", "customresourcedefinitions") not in _grants(role["rules"])
     for binding in by_kind(namespaced, "RoleBinding"):
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tandem-operator",
-                                        "namespace": "tandem-system"}]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "tandem-operator", "namespace": "tandem-system"}
+        ]
 
 
 def test_notes_and_test_hook(rendered: dict[str, Any]) -> None:

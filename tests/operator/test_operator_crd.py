@@ -23,7 +23,11 @@ def test_crd_is_a_valid_custom_resource_definition() -> None:
         kubernetes_validate.validate(crd, version, strict=True)
     spec = crd["spec"]
     assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
-        GROUP, "Namespaced", KIND, PLURAL)
+        GROUP,
+        "Namespaced",
+        KIND,
+        PLURAL,
+    )
     assert "isvc" not in spec["names"]["shortNames"]  # KServe's
     (v,) = spec["versions"]
     assert v["name"] == VERSION and v["served"] and v["storage"] and v["subresources"] == {"status": {}}
@@ -89,8 +93,12 @@ def test_colocated_needs_no_connector() -> None:
 
 def test_operator_defaults_equal_crd_defaults() -> None:
     """A minimal object parsed by the operator as-is equals the same object defaulted by the CRD."""
-    minimal = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": "m", "namespace": "ns"},
-               "spec": {"model": {"uri": "/models/x"}, "prefill": {}, "kvTransfer": {"connector": "NixlConnector"}}}
+    minimal = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": "m", "namespace": "ns"},
+        "spec": {"model": {"uri": "/models/x"}, "prefill": {}, "kvTransfer": {"connector": "NixlConnector"}},
+    }
     defaulted = apply_defaults(crd_schema(), copy.deepcopy(minimal))
     assert defaulted["spec"]["engine"]["blockSize"] == 16  # defaulting did run
     assert parse_spec(minimal) == parse_spec(defaulted)

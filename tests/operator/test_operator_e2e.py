@@ -36,9 +36,16 @@ RESOURCES = {
 
 
 def expected_children(name: str, prefill: bool = True) -> set[tuple[str, str]]:
-    kids = {("ConfigMap", f"{name}-engine-config"), ("ServiceAccount", f"{name}-router"),
-            ("Role", f"{name}-router"), ("RoleBinding", f"{name}-router"), ("Service", f"{name}-decode"),
-            ("Service", f"{name}-router"), ("Deployment", f"{name}-decode"), ("Deployment", f"{name}-router")}
+    kids = {
+        ("ConfigMap", f"{name}-engine-config"),
+        ("ServiceAccount", f"{name}-router"),
+        ("Role", f"{name}-router"),
+        ("RoleBinding", f"{name}-router"),
+        ("Service", f"{name}-decode"),
+        ("Service", f"{name}-router"),
+        ("Deployment", f"{name}-decode"),
+        ("Deployment", f"{name}-router"),
+    }
     if prefill:
         kids |= {("Service", f"{name}-prefill"), ("Deployment", f"{name}-prefill")}
     return kids
@@ -56,8 +63,11 @@ async def start_operator(kmock: RealisticEmulator) -> KopfRunner:
     runner = KopfRunner(kopf_args(OPERATOR_ARGS), timeout=10)
     runner.__enter__()
     # kopf handles nothing until every index is filled; wait for its watches rather than guess.
-    await eventually(lambda: _async(kmock.watchers(ISVC) > 0 and kmock.watchers("apps/v1/deployments") > 0),
-                     timeout=30, interval=0.05)
+    await eventually(
+        lambda: _async(kmock.watchers(ISVC) > 0 and kmock.watchers("apps/v1/deployments") > 0),
+        timeout=30,
+        interval=0.05,
+    )
     return runner
 
 
@@ -82,8 +92,11 @@ async def _async(value: Any) -> Any:
 
 
 def present(kmock: RealisticEmulator, name: str = NAME, ns: str = "default") -> set[tuple[str, str]]:
-    return {(kind, child) for kind, child in expected_children(name)
-            if kmock.stored(RESOURCES[kind], ns, child) is not None}
+    return {
+        (kind, child)
+        for kind, child in expected_children(name)
+        if kmock.stored(RESOURCES[kind], ns, child) is not None
+    }
 
 
 def deployment(kmock: RealisticEmulator, name: str, ns: str = "default") -> dict[str, Any]:
@@ -103,15 +116,18 @@ def engine(dep: dict[str, Any]) -> dict[str, Any]:
 
 async def isvc_state(kmock: RealisticEmulator, name: str = NAME) -> dict[str, Any]:
     """The InferenceService once the operator has written a status for it."""
+
     def with_status() -> dict[str, Any] | None:
         obj = kmock.stored(ISVC, "default", name)
         return obj if obj is not None and (obj.get("status") or {}).get("conditions") else None
+
     state: dict[str, Any] = await eventually(lambda: _async(with_status()))
     return state
 
 
 async def test_create_builds_every_child_within_two_seconds(
-        api: Api, operator: KopfRunner, kmock: RealisticEmulator) -> None:
+    api: Api, operator: KopfRunner, kmock: RealisticEmulator
+) -> None:
     started = time.monotonic()
     isvc = await api.create("InferenceService", example("disaggregated"))
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)), interval=0.01)
@@ -121,16 +137,25 @@ async def test_create_builds_every_child_within_two_seconds(
     for kind, name in expected_children(NAME):
         child = kmock.stored(RESOURCES[kind], "default", name)
         assert child is not None
-        assert child["metadata"]["ownerReferences"] == [{
-            "apiVersion": "serving.tandem.dev/v1alpha1", "kind": "InferenceService", "name": NAME,
-            "uid": isvc["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        assert child["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "serving.tandem.dev/v1alpha1",
+                "kind": "InferenceService",
+                "name": NAME,
+                "uid": isvc["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert child["metadata"]["labels"]["serving.tandem.dev/inferenceservice"] == NAME
     for role in ("prefill", "decode", "router"):
         dep = deployment(kmock, f"{NAME}-{role}")
         pod_labels = dep["spec"]["template"]["metadata"]["labels"]
         assert pod_labels["serving.tandem.dev/role"] == role
         assert dep["spec"]["selector"]["matchLabels"] == {
-            "serving.tandem.dev/inferenceservice": NAME, "serving.tandem.dev/role": role}
+            "serving.tandem.dev/inferenceservice": NAME,
+            "serving.tandem.dev/role": role,
+        }
         assert engine(dep)["image"] == "ghcr.io/tandem-dev/tandem-worker:0.1.0"
         assert engine(dep)["readinessProbe"]["httpGet"]["path"] == "/health"
         assert engine(dep)["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
@@ -141,8 +166,14 @@ async def test_create_builds_every_child_within_two_seconds(
     assert flag(p_args, "--role") == "prefill" and flag(d_args, "--role") == "decode"
     for shared in ("--model", "--dtype", "--block-size", "--max-model-len", "--kv-side-channel-port"):
         assert flag(p_args, shared) == flag(d_args, shared)
-    assert engine(prefill)["startupProbe"]["failureThreshold"] * engine(prefill)["startupProbe"]["periodSeconds"] >= 1800
-    assert {p["name"]: p["containerPort"] for p in engine(prefill)["ports"]} == {"http": 8000, "kv-side": 5600}
+    assert (
+        engine(prefill)["startupProbe"]["failureThreshold"] * engine(prefill)["startupProbe"]["periodSeconds"]
+        >= 1800
+    )
+    assert {p["name"]: p["containerPort"] for p in engine(prefill)["ports"]} == {
+        "http": 8000,
+        "kv-side": 5600,
+    }
     router = engine(deployment(kmock, f"{NAME}-router"))
     assert router["args"][0] == "route"
     assert flag(router["args"], "--policy") == "prefix-aware"
@@ -168,7 +199,9 @@ async def test_colocated_has_no_prefill(api: Api, operator: KopfRunner, kmock: R
     assert condition(state, "PrefillReady")["reason"] == "Disabled"  # type: ignore[index]
 
 
-async def test_scale_and_spec_update_roll_out(api: Api, operator: KopfRunner, kmock: RealisticEmulator) -> None:
+async def test_scale_and_spec_update_roll_out(
+    api: Api, operator: KopfRunner, kmock: RealisticEmulator
+) -> None:
     await api.create("InferenceService", example("disaggregated"))
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
     old_hash = deployment(kmock, f"{NAME}-decode")["spec"]["template"]["metadata"]["annotations"]
@@ -179,25 +212,41 @@ async def test_scale_and_spec_update_roll_out(api: Api, operator: KopfRunner, km
 
     await api.patch("InferenceService", NAME, {"spec": {"engine": {"blockSize": 32, "maxModelLen": 4096}}})
     for role in ("prefill", "decode"):
-        await eventually(lambda r=role: _async(
-            flag(engine(deployment(kmock, f"{NAME}-{r}"))["args"], "--block-size") == "32"))
+        await eventually(
+            lambda r=role: _async(
+                flag(engine(deployment(kmock, f"{NAME}-{r}"))["args"], "--block-size") == "32"
+            )
+        )
         assert flag(engine(deployment(kmock, f"{NAME}-{role}"))["args"], "--max-model-len") == "4096"
-    hashes = {deployment(kmock, f"{NAME}-{r}")["spec"]["template"]["metadata"]["annotations"][
-        "serving.tandem.dev/config-hash"] for r in ("prefill", "decode")}
+    hashes = {
+        deployment(kmock, f"{NAME}-{r}")["spec"]["template"]["metadata"]["annotations"][
+            "serving.tandem.dev/config-hash"
+        ]
+        for r in ("prefill", "decode")
+    }
     assert len(hashes) == 1 and hashes != {old_hash["serving.tandem.dev/config-hash"]}
     config = kmock.stored("v1/configmaps", "default", f"{NAME}-engine-config")
     assert config is not None and '"blockSize": 32' in config["data"]["engine-config.json"]
-    await eventually(lambda: _async((kmock.stored(ISVC, "default", NAME) or {}).get("status", {})
-                                    .get("observedGeneration") == 3))
+    await eventually(
+        lambda: _async(
+            (kmock.stored(ISVC, "default", NAME) or {}).get("status", {}).get("observedGeneration") == 3
+        )
+    )
 
     # Disaggregated -> colocated: the prefill workload and its Service go away.
     await api.patch("InferenceService", NAME, {"spec": {"prefill": {"enabled": False}}})
-    await eventually(lambda: _async(kmock.stored("apps/v1/deployments", "default", f"{NAME}-prefill") is None
-                                    and kmock.stored("v1/services", "default", f"{NAME}-prefill") is None))
+    await eventually(
+        lambda: _async(
+            kmock.stored("apps/v1/deployments", "default", f"{NAME}-prefill") is None
+            and kmock.stored("v1/services", "default", f"{NAME}-prefill") is None
+        )
+    )
     assert flag(engine(deployment(kmock, f"{NAME}-decode"))["args"], "--role") == "both"
 
 
-async def test_deleted_or_edited_child_is_restored(api: Api, operator: KopfRunner, kmock: RealisticEmulator) -> None:
+async def test_deleted_or_edited_child_is_restored(
+    api: Api, operator: KopfRunner, kmock: RealisticEmulator
+) -> None:
     await api.create("InferenceService", example("disaggregated"))
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
     first_uid = deployment(kmock, f"{NAME}-decode")["metadata"]["uid"]
@@ -210,22 +259,36 @@ async def test_deleted_or_edited_child_is_restored(api: Api, operator: KopfRunne
     router = deployment(kmock, f"{NAME}-router")
     edited = router["spec"]["template"]["spec"]["containers"]
     edited[0]["args"] = ["route", "--policy", "round-robin"]
-    await api.patch("Deployment", f"{NAME}-router", {"spec": {"replicas": 7, "template": {"spec": {
-        "containers": edited}}}})
+    await api.patch(
+        "Deployment",
+        f"{NAME}-router",
+        {"spec": {"replicas": 7, "template": {"spec": {"containers": edited}}}},
+    )
     await eventually(lambda: _async(deployment(kmock, f"{NAME}-router")["spec"]["replicas"] == 1))
     assert flag(engine(deployment(kmock, f"{NAME}-router"))["args"], "--policy") == "prefix-aware"
 
-    await api.patch("Role", f"{NAME}-router", {"rules": [{"apiGroups": [""], "resources": ["secrets"],
-                                                          "verbs": ["get"]}]})
-    await eventually(lambda: _async((kmock.stored(RESOURCES["Role"], "default", f"{NAME}-router") or {})
-                                    .get("rules", [{}])[0].get("resources") == ["endpointslices"]))
+    await api.patch(
+        "Role", f"{NAME}-router", {"rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]}
+    )
+    await eventually(
+        lambda: _async(
+            (kmock.stored(RESOURCES["Role"], "default", f"{NAME}-router") or {})
+            .get("rules", [{}])[0]
+            .get("resources")
+            == ["endpointslices"]
+        )
+    )
 
 
 async def test_status_follows_children(api: Api, operator: KopfRunner, kmock: RealisticEmulator) -> None:
     await api.create("InferenceService", example("disaggregated"))
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
-    await eventually(lambda: _async((condition(kmock.stored(ISVC, "default", NAME), "DecodeReady") or {})
-                                    .get("reason") == "RolloutPending"))
+    await eventually(
+        lambda: _async(
+            (condition(kmock.stored(ISVC, "default", NAME), "DecodeReady") or {}).get("reason")
+            == "RolloutPending"
+        )
+    )
 
     await api.kubelet_reports(f"{NAME}-prefill", ready=1)
     await api.kubelet_reports(f"{NAME}-decode", ready=1)
@@ -233,15 +296,25 @@ async def test_status_follows_children(api: Api, operator: KopfRunner, kmock: Re
 
     async def decode_partly_ready() -> bool:
         s = await isvc_state(kmock)
-        return bool(condition(s, "PrefillReady")["status"] == "True"  # type: ignore[index]
-                    and condition(s, "DecodeReady")["reason"] == "PodsNotReady")  # type: ignore[index]
+        return bool(
+            condition(s, "PrefillReady")["status"] == "True"  # type: ignore[index]
+            and condition(s, "DecodeReady")["reason"] == "PodsNotReady"
+        )  # type: ignore[index]
+
     await eventually(decode_partly_ready)
     state = await isvc_state(kmock)
     assert condition(state, "Ready")["status"] == "False"  # type: ignore[index]
-    assert state["status"]["decode"] == {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2, "ready": "1/2"}
+    assert state["status"]["decode"] == {
+        "replicas": 2,
+        "readyReplicas": 1,
+        "updatedReplicas": 2,
+        "ready": "1/2",
+    }
 
     await api.kubelet_reports(f"{NAME}-decode", ready=2)
-    await eventually(lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "True"))  # type: ignore[index]
+    await eventually(
+        lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "True")
+    )  # type: ignore[index]
     state = await isvc_state(kmock)
     ready = condition(state, "Ready")
     assert ready is not None and ready["reason"] == "AllRolesReady" and ready["observedGeneration"] == 1
@@ -249,17 +322,23 @@ async def test_status_follows_children(api: Api, operator: KopfRunner, kmock: Re
 
     # A router pod goes unready: Ready follows.
     await api.kubelet_reports(f"{NAME}-router", ready=0)
-    await eventually(lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "False"))  # type: ignore[index]
+    await eventually(
+        lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "False")
+    )  # type: ignore[index]
     assert condition(await isvc_state(kmock), "RouterReady")["reason"] == "PodsNotReady"  # type: ignore[index]
 
 
-@pytest.mark.parametrize("spec_patch, problem", [
-    ({"decode": {"replicas": -1}}, "spec.decode.replicas"),
-    ({"router": {"policy": "Random"}}, "spec.router.policy"),
-    ({"kvTransfer": None}, "spec.kvTransfer"),
-])
+@pytest.mark.parametrize(
+    "spec_patch, problem",
+    [
+        ({"decode": {"replicas": -1}}, "spec.decode.replicas"),
+        ({"router": {"policy": "Random"}}, "spec.router.policy"),
+        ({"kvTransfer": None}, "spec.kvTransfer"),
+    ],
+)
 async def test_invalid_spec_is_reported_not_crashed(
-        api: Api, operator: KopfRunner, kmock: RealisticEmulator, spec_patch: dict[str, Any], problem: str) -> None:
+    api: Api, operator: KopfRunner, kmock: RealisticEmulator, spec_patch: dict[str, Any], problem: str
+) -> None:
     body = example("disaggregated")
     for key, value in spec_patch.items():
         if value is None:
@@ -270,6 +349,7 @@ async def test_invalid_spec_is_reported_not_crashed(
 
     async def reported() -> dict[str, Any] | None:
         return condition(kmock.stored(ISVC, "default", NAME), "Ready")
+
     ready = await eventually(reported)
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and problem in ready["message"]
     events = await eventually(lambda: _invalid_spec_events(api))
@@ -279,8 +359,11 @@ async def test_invalid_spec_is_reported_not_crashed(
     # Fixing the spec is an ordinary update: the operator is still alive and builds everything.
     await api.patch("InferenceService", NAME, {"spec": example("disaggregated")["spec"]})
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
-    await eventually(lambda: _async((condition(kmock.stored(ISVC, "default", NAME), "Ready") or {})
-                                    .get("reason") == "RolesNotReady"))
+    await eventually(
+        lambda: _async(
+            (condition(kmock.stored(ISVC, "default", NAME), "Ready") or {}).get("reason") == "RolesNotReady"
+        )
+    )
 
 
 async def _invalid_spec_events(api: Api) -> list[dict[str, Any]]:

@@ -34,19 +34,29 @@ async def test_create_sets_server_fields(http: tuple[str, aiohttp.ClientSession]
         assert resp.status == 201
         obj = await _json(resp)
     meta = obj["metadata"]
-    assert meta["namespace"] == "default" and meta["generation"] == 1 and meta["uid"] and meta["creationTimestamp"]
+    assert (
+        meta["namespace"] == "default"
+        and meta["generation"] == 1
+        and meta["uid"]
+        and meta["creationTimestamp"]
+    )
     async with s.post(base + CM, json={"metadata": {"generateName": "ev-"}}) as resp:
         assert resp.status == 201 and (await _json(resp))["metadata"]["name"].startswith("ev-")
     async with s.post(base + CM, json={"metadata": {"name": "a"}}) as resp:
         assert resp.status == 409
 
 
-async def test_versions_generation_and_status_isolation(kmock: RealisticEmulator,
-                                                         http: tuple[str, aiohttp.ClientSession]) -> None:
+async def test_versions_generation_and_status_isolation(
+    kmock: RealisticEmulator, http: tuple[str, aiohttp.ClientSession]
+) -> None:
     base, s = http
     api = Api(base, s)
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-           "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}}}
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}},
+    }
     created = await api.create("Deployment", dep)
     rv0 = int(created["metadata"]["resourceVersion"])
     same = await api.patch("Deployment", "d", {"spec": {"replicas": 1}, "metadata": {"labels": {"x": "y"}}})
@@ -55,7 +65,9 @@ async def test_versions_generation_and_status_isolation(kmock: RealisticEmulator
     assert changed["metadata"]["generation"] == 2
     # status through the main resource is ignored; spec through /status is ignored.
     await api.patch("Deployment", "d", {"status": {"readyReplicas": 9}})
-    await api.patch("Deployment", "d", {"spec": {"replicas": 7}, "status": {"readyReplicas": 3}}, sub="status")
+    await api.patch(
+        "Deployment", "d", {"spec": {"replicas": 7}, "status": {"readyReplicas": 3}}, sub="status"
+    )
     stored = kmock.stored("apps/v1/deployments", "default", "d")
     assert stored is not None and stored["spec"]["replicas"] == 3 and stored["status"] == {"readyReplicas": 3}
     assert stored["metadata"]["generation"] == 2
@@ -66,12 +78,16 @@ async def test_failed_json_patch_test_is_422(http: tuple[str, aiohttp.ClientSess
     async with s.post(base + CM, json={"metadata": {"name": "a"}}) as resp:
         rv = (await _json(resp))["metadata"]["resourceVersion"]
     headers = {"Content-Type": "application/json-patch+json"}
-    stale = [{"op": "test", "path": "/metadata/resourceVersion", "value": "999"},
-             {"op": "add", "path": "/metadata/finalizers", "value": ["x"]}]
+    stale = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "999"},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["x"]},
+    ]
     async with s.patch(base + CM + "/a", data=json.dumps(stale), headers=headers) as resp:
         assert resp.status == 422
-    fresh = [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-             {"op": "add", "path": "/metadata/finalizers", "value": ["x"]}]
+    fresh = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["x"]},
+    ]
     async with s.patch(base + CM + "/a", data=json.dumps(fresh), headers=headers) as resp:
         assert resp.status == 200
         obj = await _json(resp)
@@ -81,8 +97,11 @@ async def test_failed_json_patch_test_is_422(http: tuple[str, aiohttp.ClientSess
         assert resp.status == 200
     async with s.get(base + CM + "/a") as resp:
         assert (await _json(resp))["metadata"]["deletionTimestamp"]
-    async with s.patch(base + CM + "/a", json={"metadata": {"finalizers": None}},
-                       headers={"Content-Type": "application/merge-patch+json"}) as resp:
+    async with s.patch(
+        base + CM + "/a",
+        json={"metadata": {"finalizers": None}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as resp:
         assert resp.status == 200
     async with s.get(base + CM + "/a") as resp:
         assert resp.status == 404
@@ -97,14 +116,17 @@ async def test_list_then_watch_from_its_version(http: tuple[str, aiohttp.ClientS
         listing = await _json(resp)
     assert listing["kind"] == "ConfigMapList" and len(listing["items"]) == 2
     rv = listing["metadata"]["resourceVersion"]
-    async with s.patch(base + CM + "/b", json={"data": {"k": "v"}},
-                       headers={"Content-Type": "application/merge-patch+json"}):
+    async with s.patch(
+        base + CM + "/b", json={"data": {"k": "v"}}, headers={"Content-Type": "application/merge-patch+json"}
+    ):
         pass
 
     events: list[dict[str, Any]] = []
 
     async def watch() -> None:
-        async with s.get(base + "/api/v1/configmaps", params={"watch": "True", "resourceVersion": rv}) as resp:
+        async with s.get(
+            base + "/api/v1/configmaps", params={"watch": "True", "resourceVersion": rv}
+        ) as resp:
             async for line in resp.content:
                 if line.strip():
                     events.append(json.loads(line))

@@ -15,14 +15,30 @@ from tandem_operator.spec import parse_spec
 from tandem_operator.status import compute_status, invalid_status, role_state, same_status
 
 
-def dep(replicas: int, ready: int, updated: int | None = None, total: int | None = None,
-        generation: int = 2, observed: int = 2, deadline: bool = False) -> dict[str, Any]:
-    status: dict[str, Any] = {"observedGeneration": observed, "readyReplicas": ready,
-                              "updatedReplicas": replicas if updated is None else updated,
-                              "replicas": replicas if total is None else total}
+def dep(
+    replicas: int,
+    ready: int,
+    updated: int | None = None,
+    total: int | None = None,
+    generation: int = 2,
+    observed: int = 2,
+    deadline: bool = False,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "observedGeneration": observed,
+        "readyReplicas": ready,
+        "updatedReplicas": replicas if updated is None else updated,
+        "replicas": replicas if total is None else total,
+    }
     if deadline:
-        status["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-                                 "message": "too slow"}]
+        status["conditions"] = [
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "too slow",
+            }
+        ]
     return {"metadata": {"generation": generation}, "spec": {"replicas": replicas}, "status": status}
 
 
@@ -54,7 +70,9 @@ def test_compute_status_and_stable_transition_times() -> None:
     again = compute_status(spec, 5, deps, first)
     assert again == first and same_status(first, again)
 
-    old = dict(first, conditions=[dict(c, lastTransitionTime="2020-01-01T00:00:00Z") for c in first["conditions"]])
+    old = dict(
+        first, conditions=[dict(c, lastTransitionTime="2020-01-01T00:00:00Z") for c in first["conditions"]]
+    )
     deps[Role.DECODE] = dep(2, 2)
     ready = compute_status(spec, 5, deps, old)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
@@ -82,7 +100,13 @@ def test_invalid_status_keeps_role_conditions() -> None:
 
 
 def test_three_way_merge_helpers() -> None:
-    actual = {"spec": {"replicas": 2, "strategy": {"type": "RollingUpdate"}, "ports": [{"port": 1, "protocol": "TCP"}]}}
+    actual = {
+        "spec": {
+            "replicas": 2,
+            "strategy": {"type": "RollingUpdate"},
+            "ports": [{"port": 1, "protocol": "TCP"}],
+        }
+    }
     assert contains(actual, {"spec": {"replicas": 2, "ports": [{"port": 1}]}})
     assert not contains(actual, {"spec": {"replicas": 3}})
     assert not contains(actual, {"spec": {"ports": [{"port": 1}, {"port": 2}]}})
@@ -94,18 +118,42 @@ def test_three_way_merge_helpers() -> None:
 
 
 def test_cli_passes_options_through_to_kopf_run() -> None:
-    assert kopf_args(["-A", "--standalone"]) == ["run", "--module", "tandem_operator.handlers", "-A", "--standalone"]
+    assert kopf_args(["-A", "--standalone"]) == [
+        "run",
+        "--module",
+        "tandem_operator.handlers",
+        "-A",
+        "--standalone",
+    ]
     assert kopf_args(["-n", "a", "-n", "b"])[-4:] == ["-n", "a", "-n", "b"]
-    out = subprocess.run([sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main(['operator', '--help']))"],
-                         capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": "operator:workers"}, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tandem_cli import main; sys.exit(main(['operator', '--help']))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": "operator:workers"},
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "--all-namespaces" in out.stdout and "--standalone" in out.stdout
 
 
 def test_operator_never_imports_torch_or_the_engine() -> None:
-    code = ("import sys, tandem_operator.handlers, tandem_operator.cli, tandem_operator.__main__; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tandem_engine', 'tandem_router')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={"PYTHONPATH": "operator"}, timeout=60)
+    code = (
+        "import sys, tandem_operator.handlers, tandem_operator.cli, tandem_operator.__main__; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tandem_engine', 'tandem_router')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": "operator"},
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
