@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
 import time
 
@@ -65,6 +67,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     from tandem_engine.frontend.async_llm import AsyncLLM
     from tandem_engine.frontend.core_client import EngineStartupError
 
+    _Server = _make_server_class()
     t0 = time.perf_counter()
     engine = AsyncLLM(config)
     try:
@@ -73,7 +76,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
         logger.error("[startup] %s", e)
         return 1
     app = build_app(engine, engine.metrics.registry)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=30, access_log=False))
     exit_code = 0
 
@@ -93,6 +96,27 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     if exit_code:
         logger.error("[shutdown] exiting with an error: the engine died (%s)", engine.dead_error)
     return exit_code if not server.started or exit_code else 0
+
+
+def _make_server_class():  # type: ignore[no-untyped-def]
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises the captured SIGTERM after a graceful shutdown, which would kill us before
+        the engines are shut down and turn a clean exit into -15: handle the signals ourselves."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def,override]
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return Server
 
 
 def _chain(*fns):  # type: ignore[no-untyped-def]
