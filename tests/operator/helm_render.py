@@ -4,6 +4,7 @@ Run as a subprocess by the tests (Helm's Go runtime stays out of pytest, and HEL
 must be in the environment before the library loads: KMock cannot store Helm's protobuf Secrets):
 
     HELM_DRIVER=memory python tests/operator/helm_render.py CHART [VALUES.yaml ...]
+    HELM_DRIVER=memory python tests/operator/helm_render.py --server URL CHART
 
 Prints one JSON document: the lint result, and per values file the release (manifest, notes) and
 every object the install created in the emulator.
@@ -62,7 +63,20 @@ async def install(chart: str, values_file: str | None) -> dict[str, Any]:
     }
 
 
+async def install_into(url: str, chart: str) -> int:
+    """Install into a running apiserver (the tests' emulator); print the release."""
+    config = helm_sdkpy.Configuration(namespace=NAMESPACE, kubeconfig=kubeconfig(url))
+    release = await helm_sdkpy.Install(config).run("tandem", chart, wait=False, timeout=60)
+    json.dump(
+        {"manifest": release.get("manifest", ""), "notes": (release.get("info") or {}).get("notes")},
+        sys.stdout,
+    )
+    return 0
+
+
 async def main(argv: list[str]) -> int:
+    if argv[0] == "--server":
+        return await install_into(argv[1], argv[2])
     chart, values_files = argv[0], argv[1:]
     lint = await helm_sdkpy.Lint(helm_sdkpy.Configuration(kubeconfig=EMPTY_KUBECONFIG)).run(chart)
     installs = [await install(chart, None)] + [await install(chart, v) for v in values_files]

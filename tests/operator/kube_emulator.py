@@ -29,6 +29,8 @@ from kmock._internal import rendering
 logger = logging.getLogger(__name__)
 
 _WATCH_TRUE = {"true", "True", "1"}
+_REASONS = {404: "NotFound", 409: "AlreadyExists"}
+CRDS = kmock.resource("apiextensions.k8s.io/v1/customresourcedefinitions")
 
 
 @attrs.define(kw_only=True)
@@ -111,6 +113,27 @@ class RealisticEmulator(kmock.KubernetesEmulator):
             meta["namespace"] = request.namespace
         if request.resource is not None and self._has_status_subresource(request.resource):
             request.data.pop("status", None)  # the apiserver ignores status on create
+        if request.resource == CRDS:
+            self._serve_crd(request.data)
+
+    def _serve_crd(self, crd: dict[str, Any]) -> None:
+        """A created CRD makes its resource discoverable, as the apiserver does."""
+        spec = crd.get("spec") or {}
+        names = spec.get("names") or {}
+        for version in spec.get("versions") or []:
+            if not version.get("served"):
+                continue
+            self.resources[f"{spec.get('group')}/{version.get('name')}/{names.get('plural')}"] = (
+                kmock.ResourceInfo(
+                    kind=names.get("kind"),
+                    singular=names.get("singular"),
+                    shortnames=set(names.get("shortNames") or []),
+                    categories=set(names.get("categories") or []),
+                    namespaced=spec.get("scope") == "Namespaced",
+                    verbs={"create", "delete", "get", "list", "patch", "watch"},
+                    subresources=set(version.get("subresources") or {}),
+                )
+            )
 
     def _prepare_update(self, request: rendering.Request) -> None:
         body = request.data
@@ -167,6 +190,11 @@ class RealisticEmulator(kmock.KubernetesEmulator):
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, jsonpatch.JsonPatchTestFailed | jsonpatch.JsonPatchConflict):
             exc = kmock.KubernetesError(status=422, reason="Invalid", message=str(exc))
+        elif isinstance(exc, kmock.KubernetesError) and exc.status in _REASONS:
+            # Clients branch on the apiserver's machine-readable reasons (Helm skips AlreadyExists CRDs).
+            exc = kmock.KubernetesError(
+                status=exc.status, reason=_REASONS[exc.status], message=exc.message, details=exc.details
+            )
         return await super()._render_error(exc)
 
     # kmock finds an object by scanning every stored object; a dict lookup is O(1).
