@@ -1,10 +1,10 @@
 """prefix-aware vs round-robin on a shared-prefix multi-turn workload over two colocated engines.
 
-Both policies drive the same two `tandem serve` engines (embedded model, small KV caches so that one
-engine cannot hold every group's prefix but two can), each through its own `tandem route`, with
-`tandem bench --workload shared-prefix`. The engines' `vllm:prefix_cache_hits/queries` counters give
-the hit rate. Each policy gets a different seed (different system prompts), so neither run finds the
-other's prompts in the cache. Results: bench/results/prefix_routing.{json,md,png} and
+Each policy gets its own pair of `tandem serve` engines (embedded model, small KV caches so that one
+engine cannot hold every group's prefix but two can) behind its own `tandem route`, and both run at
+the same time on the same prompts (`tandem bench --workload shared-prefix`, same seed), so that noise
+on the shared machine hits both alike. The engines' `vllm:prefix_cache_hits/queries` counters give
+the hit rate. Results: bench/results/prefix_routing.{json,md,png} and
 bench/results/prefix_routing_<policy>.json.
 
     .venv/bin/python bench/prefix_routing.py [--groups 6 --users 3 --turns 3 --concurrency 4]
@@ -85,14 +85,17 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--groups", type=int, default=6)
+    # 8 system prompts of ~12 blocks each need ~96 blocks: more than one engine's 64, less than two.
+    p.add_argument("--groups", type=int, default=8)
     p.add_argument("--users", type=int, default=3)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--prefix-len", type=int, default=200)
-    p.add_argument("--turn-len", type=int, default=20)
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--prefix-len", type=int, default=160)
+    p.add_argument("--turn-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, default=128, help="KV blocks (of 16 tokens) per engine")
+    p.add_argument("--kv-blocks", type=int, default=64, help="KV blocks (of 16 tokens) per engine")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
@@ -105,66 +108,72 @@ def main() -> int:
         procs.append(proc)
         return proc
 
-    engine_args = ["--num-threads", "1", "--max-model-len", "1024", "--num-kv-blocks", str(a.kv_blocks)]
+    engine_args = [
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        str(a.max_model_len),
+        "--num-kv-blocks",
+        str(a.kv_blocks),
+    ]
     runs: dict[str, dict[str, Any]] = {}
     try:
-        ports = [free_port(), free_port()]
-        engines = [f"http://127.0.0.1:{port}" for port in ports]
-        eprocs = [
-            spawn([*TANDEM, "serve", "--model", MODEL, "--port", str(port), *engine_args], f"engine-{i}")
-            for i, port in enumerate(ports)
-        ]
-        for url, proc in zip(engines, eprocs, strict=True):
+        # One engine pair per policy, run at the same time on the same prompts (same seed): machine
+        # noise hits both alike and neither finds the other's prompts in its cache.
+        engines: dict[str, list[str]] = {}
+        eprocs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        for policy in POLICIES:
+            ports = [free_port(), free_port()]
+            engines[policy] = [f"http://127.0.0.1:{port}" for port in ports]
+            for i, port in enumerate(ports):
+                argv = [*TANDEM, "serve", "--model", MODEL, "--port", str(port), *engine_args]
+                eprocs.append((f"http://127.0.0.1:{port}", spawn(argv, f"{policy}-engine-{i}")))
+        for url, proc in eprocs:
             wait_ready(url, proc)
-        for seed, policy in enumerate(POLICIES, start=1):
+        benches = []
+        routers = {}
+        for policy in POLICIES:
             rport = free_port()
-            router = f"http://127.0.0.1:{rport}"
-            rp = spawn(
-                [*TANDEM, "route", "--port", str(rport), "--decode", ",".join(engines), "--policy", policy],
-                f"router-{policy}",
-            )
-            wait_ready(router, rp, timeout=60)
+            routers[policy] = f"http://127.0.0.1:{rport}"
+            argv = [*TANDEM, "route", "--port", str(rport), "--decode", ",".join(engines[policy])]
+            rp = spawn([*argv, "--policy", policy], f"router-{policy}")
+            wait_ready(routers[policy], rp, timeout=60)
+        for policy in POLICIES:
             out = RESULTS / f"prefix_routing_{policy}.json"
             argv = [
                 "bench",
                 "--url",
-                router,
+                routers[policy],
                 "--workload",
                 "shared-prefix",
                 "--num-groups",
                 str(a.groups),
+            ]
+            argv += [
                 "--users-per-group",
                 str(a.users),
                 "--turns",
                 str(a.turns),
                 "--prefix-len",
                 str(a.prefix_len),
-                "--turn-len",
-                str(a.turn_len),
-                "--output-len",
-                str(a.output_len),
-                "--concurrency",
-                str(a.concurrency),
-                "--seed",
-                str(seed),
-                "--engine-metrics",
-                ",".join(engines),
-                "--label",
-                policy,
-                "--json",
-                str(out),
             ]
-            print(f"== {policy}", flush=True)
-            subprocess.run([*TANDEM, *argv], cwd=ROOT, check=True)
+            argv += ["--turn-len", str(a.turn_len), "--output-len", str(a.output_len), "--seed", str(a.seed)]
+            argv += ["--concurrency", str(a.concurrency), "--engine-metrics", ",".join(engines[policy])]
+            argv += ["--label", policy, "--json", str(out)]
+            print(f"== {policy}: {routers[policy]} over {', '.join(engines[policy])}", flush=True)
+            with open(logs / f"bench-{policy}.log", "wb") as log:
+                benches.append((policy, out, subprocess.Popen([*TANDEM, *argv], cwd=ROOT, stdout=log)))
+        for policy, out, proc in benches:
+            if proc.wait() not in (0, 1):
+                raise RuntimeError(f"tandem bench for {policy} failed; see {logs}")
+            print((logs / f"bench-{policy}.log").read_text(), flush=True)
             runs[policy] = json.loads(out.read_text())
             runs[policy]["router_metrics"] = [
                 ln
-                for ln in httpx.get(router + "/metrics").text.splitlines()
-                if ln.startswith("tandem:router_routing_decisions_total")
+                for ln in httpx.get(routers[policy] + "/metrics").text.splitlines()
+                if ln.startswith("tandem:router_routing_decisions_total") and not ln.endswith(" 0.0")
             ]
             out.write_text(json.dumps(runs[policy], indent=1))
-            rp.terminate()
-            rp.wait(15)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -186,8 +195,9 @@ def main() -> int:
     lines = [
         "# prefix-aware vs round-robin routing",
         "",
-        f"`{cmd}` at {meta['time']}: two colocated `tandem serve` engines ({' '.join(engine_args)}) on the "
-        "embedded SmolLM2-135M, one `tandem route` per policy, `tandem bench --workload shared-prefix` "
+        f"`{cmd}` at {meta['time']}: per policy, two colocated `tandem serve` engines "
+        f"({' '.join(engine_args)}) on the embedded SmolLM2-135M behind one `tandem route`; both policies "
+        "at once on the same prompts, `tandem bench --workload shared-prefix` "
         f"({a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
         f"{a.turns} turns, "
         f"{a.output_len} output tokens, concurrency {a.concurrency}). Hit rate = engine "

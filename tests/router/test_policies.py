@@ -130,6 +130,21 @@ def test_prefix_aware_places_cold_prefixes_by_ring_consistently() -> None:
     assert x.url == y.url
 
 
+def test_prefix_aware_cold_placement_is_bounded_by_cache_footprint() -> None:
+    e = eps(2)
+    idx = PrefixIndex(10_000)
+    prompts = [f"tenant {i} " * 60 for i in range(50)]
+    to_e0 = [p for p in prompts if PrefixAware().choose(e, req(p), PrefixIndex(10)).endpoint is e[0]]
+    assert len(to_e0) > 5
+    # e0 already holds a lot (other prefixes): new prefixes whose ring place is e0 go to e1 instead ...
+    idx.insert(e[0].url, list(range(1000)))
+    d = PrefixAware().choose(e, req(to_e0[0]), idx)
+    assert (d.endpoint, d.reason) == (e[1], "cold_hash")
+    # ... until the footprints are within the load factor again.
+    idx.insert(e[1].url, list(range(1000, 1900)))
+    assert PrefixAware().choose(e, req(to_e0[0]), idx).endpoint is e[0]
+
+
 def test_prefix_aware_short_prompt_uses_least_load() -> None:
     e = eps(2)
     e[0].acquire(1)

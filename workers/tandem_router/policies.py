@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem_router.hashing import HashRing, hash64
@@ -83,23 +84,27 @@ class _RingMixin:
     def __init__(self, vnodes: int) -> None:
         self._ring = HashRing(vnodes)
 
-    def _ring_pick(self, candidates: list[Endpoint], key: int, bound: int) -> Endpoint:
+    def _ring_pick(
+        self, candidates: list[Endpoint], key: int, bound: int, fits: Callable[[Endpoint], bool] | None = None
+    ) -> Endpoint:
+        """The first endpoint clockwise from `key` under the load bound (and `fits`, when given)."""
         self._ring.set_members({e.url for e in candidates})
         by_url = {e.url: e for e in candidates}
-        first: Endpoint | None = None
-        for url in self._ring.walk(key):
-            ep = by_url[url]
-            first = first or ep
+        order = [by_url[u] for u in self._ring.walk(key)]
+        for ep in order:
+            if ep.in_flight_requests + 1 <= bound and (fits is None or fits(ep)):
+                return ep
+        for ep in order:
             if ep.in_flight_requests + 1 <= bound:
                 return ep
-        assert first is not None
-        return first
+        return order[0]
 
 
 class PrefixAware(_RingMixin, Policy):
     """Longest recorded prefix wins among endpoints under the load bound; a prefix seen nowhere goes to
     its place on a consistent-hash ring (keyed by its first `cold_key_blocks` blocks), so replicas
-    without shared state agree; prompts shorter than one block go to the least loaded endpoint."""
+    without shared state agree, skipping endpoints over the load bound or holding far more than their
+    share of the index; prompts shorter than one block go to the least loaded endpoint."""
 
     name = "prefix-aware"
 
@@ -123,7 +128,11 @@ class PrefixAware(_RingMixin, Policy):
             reason = "prefix_hit" if best_blocks == top else "overflow"
             return Decision(best, reason, best_blocks, matches)
         key = hashes[min(len(hashes), self.cold_key_blocks) - 1]
-        ep = self._ring_pick(candidates, key, bound)
+        # Bounded in cache footprint too: a new prefix skips an endpoint that already holds much more
+        # than its share of the blocks routed so far, else a few hot ring arcs overfill one cache.
+        sizes = {e.url: index.size(e.url) for e in candidates}
+        limit = self.load_factor * (sum(sizes.values()) + len(hashes)) / len(candidates)
+        ep = self._ring_pick(candidates, key, bound, lambda e: sizes[e.url] + len(hashes) <= limit)
         reason = "overflow" if matches else "cold_hash"
         return Decision(ep, reason, matches.get(ep.url, 0), matches)
 
