@@ -3,7 +3,12 @@ match transformers' greedy `generate` on the same dequantized weights."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +24,51 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tandem-cache")
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def first_load(cache_dir: Path) -> tuple[loader.LoadedModel, float]:
+def first_load(cache_dir: Path) -> Iterator[tuple[loader.LoadedModel, int]]:
+    """A cold start as `tandem serve` does it: an API-server process reads config and tokenizer while
+    this process (the engine) loads the model, both on the same empty cache. Yields the model and how
+    many times the config/tokenizer cache was built across both (the build lock makes it one)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
-    t0 = time.perf_counter()
-    loaded = loader.load_model(loader.resolve_model(loader.SMOLLM2_ALIAS), torch.float32)
-    yield loaded, time.perf_counter() - t0
+    api_server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import logging; logging.basicConfig(level=logging.INFO); "
+            "from tandem_engine.models import loader as L; "
+            "print(L.load_config_and_tokenizer(L.resolve_model(L.SMOLLM2_ALIAS))[0].model_type)",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(["workers", *sys.path])},
+    )
+    records = _Records()
+    log = logging.getLogger("tandem_engine.models.loader")
+    log.addHandler(records)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        loaded = loader.load_model(loader.resolve_model(loader.SMOLLM2_ALIAS), torch.float32)
+        out, err = api_server.communicate(timeout=300)
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+        api_server.kill()
+    assert api_server.returncode == 0 and out.strip() == "llama", err
+    built = "cached config and tokenizer"
+    builds = err.count(built) + sum(built in m for m in records.messages)
+    yield loaded, builds
     mp.undo()
 
 
@@ -52,14 +95,15 @@ def test_pick_dtype() -> None:
 
 
 def test_gguf_is_cached_and_reloaded_fast(
-    first_load: tuple[loader.LoadedModel, float], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    first_load: tuple[loader.LoadedModel, int], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    loaded, _ = first_load
+    loaded, meta_builds = first_load
+    assert meta_builds == 1, "config/tokenizer cache built more than once by concurrent starters"
     assert isinstance(loaded.model, LlamaForCausalLM)
     assert loaded.hf_config.num_hidden_layers == 30 and loaded.model.tie_word_embeddings
     assert loaded.eos_token_ids == [2]
     (weights,) = cache_dir.glob("*/model/model.safetensors")
-    assert not [p for p in cache_dir.glob("*/.*")], "temporary cache directories left behind"
+    assert not [p for p in cache_dir.glob("*/.*") if p.is_dir()], "temporary cache directories left behind"
     mtime = weights.stat().st_mtime_ns
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache_dir))
@@ -83,7 +127,7 @@ def test_gguf_is_cached_and_reloaded_fast(
 
 
 def test_greedy_matches_transformers_generate(
-    first_load: tuple[loader.LoadedModel, float], cache_dir: Path
+    first_load: tuple[loader.LoadedModel, int], cache_dir: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -9,6 +9,7 @@ through transformers and cached as an HF safetensors directory under `TANDEM_CAC
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import importlib.util
@@ -133,18 +134,43 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Serialise cache builds across processes (the API server and the engine start together), so the
+    second waits for the first instead of repeating a minute of dequantization. The OS drops the lock
+    if its holder dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _meta_dir(src: ModelSource) -> Path:
     """An HF directory holding at least config.json and the tokenizer for `src`."""
     if src.kind == "safetensors":
         return src.path
     base = gguf_cache_dir(src.path)
-    for sub in ("model", "meta"):
-        if (base / sub / "config.json").is_file():
-            return base / sub
-    t0 = time.perf_counter()
-    with _atomic_dir(base / "meta") as tmp:
-        _save_gguf_meta(src.path, tmp)
-    logger.info("cached config and tokenizer of %s in %.1fs", src.path, time.perf_counter() - t0)
+
+    def cached() -> Path | None:
+        for sub in ("model", "meta"):
+            if (base / sub / "config.json").is_file():
+                return base / sub
+        return None
+
+    found = cached()
+    if found is not None:
+        return found
+    with _build_lock(base / ".meta.lock"):  # taken inside ".model.lock" only: no lock-order cycle
+        found = cached()
+        if found is not None:
+            return found
+        t0 = time.perf_counter()
+        with _atomic_dir(base / "meta") as tmp:
+            _save_gguf_meta(src.path, tmp)
+        logger.info("cached config and tokenizer of %s in %.1fs", src.path, time.perf_counter() - t0)
     return base / "meta"
 
 
@@ -208,8 +234,10 @@ def weights_dir(src: ModelSource) -> Path:
         return src.path
     final = gguf_cache_dir(src.path) / "model"
     if not (final / "model.safetensors").is_file():
-        with _atomic_dir(final) as tmp:
-            _build_gguf_cache(src.path, tmp)
+        with _build_lock(final.parent / ".model.lock"):
+            if not (final / "model.safetensors").is_file():
+                with _atomic_dir(final) as tmp:
+                    _build_gguf_cache(src.path, tmp)
     return final
 
 
