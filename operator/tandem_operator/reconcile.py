@@ -238,11 +238,20 @@ class Reconciler:
             if not await self._owner_alive(namespace, name, uid):
                 return outcome
         fresh: dict[ChildKey, Mapping[str, Any]] = dict(known)
-        for child in children:
+
+        async def apply(child: dict[str, Any]) -> None:
             ck = child_key(child)
             written = await self._apply(child, known.get(ck), uid, outcome, log)
             if written is not None:
                 fresh[ck] = state.written[ck] = written
+
+        # Two waves of concurrent writes: what the workloads refer to (config, RBAC, Services),
+        # then the workloads, so no pod is created before its ServiceAccount and ConfigMap exist.
+        for wave in (
+            [c for c in children if c["kind"] != "Deployment"],
+            [c for c in children if c["kind"] == "Deployment"],
+        ):
+            await asyncio.gather(*(apply(child) for child in wave))
         wanted = {child_key(c) for c in children}
         for ck, actual in observed.items():
             if ck not in wanted and controller_uid(actual) == uid:
