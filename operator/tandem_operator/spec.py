@@ -200,6 +200,21 @@ class _Reader:
         return tuple(value)
 
 
+def _quantities(resources: dict[str, Any]) -> dict[str, Any]:
+    """Write quantities as the apiserver returns them (`1` -> `"1"`), so a reconcile that compares
+    the desired Deployment with the live one does not see a difference that is not there."""
+    out: dict[str, Any] = {}
+    for section, value in resources.items():
+        if isinstance(value, dict):
+            out[section] = {
+                k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+                for k, v in value.items()
+            }
+        else:
+            out[section] = value
+    return out
+
+
 def served_name_for(uri: str) -> str:
     """The model id clients use when `servedName` is not set: the URI's last path element."""
     tail = uri.rstrip("/").rsplit("/", 1)[-1]
@@ -319,7 +334,7 @@ def _role(r: _Reader, raw: dict[str, Any], p: str, enabled_default: bool) -> Rol
     return RoleSpec(
         enabled=r.boolean(raw, "enabled", p, enabled_default) if "prefill" in p else True,
         replicas=r.required_int(raw, "replicas", p, 1, minimum=0, maximum=1000),
-        resources=r.mapping(raw, "resources", p),
+        resources=_quantities(r.mapping(raw, "resources", p)),
         pod_template=r.mapping(raw, "podTemplate", p),
         startup_seconds=r.required_int(
             startup, "maxSeconds", f"{p}.startup", 1800, minimum=10, maximum=86400
@@ -336,6 +351,6 @@ def _router(r: _Reader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
         policy=r.string(raw, "policy", p, "RoundRobin", tuple(ROUTER_POLICIES)) or "RoundRobin",
         discovery=r.string(raw, "discovery", p, "Kubernetes", DISCOVERY) or "Kubernetes",
         port=r.required_int(raw, "port", p, 8000, minimum=1024, maximum=65535),
-        resources=r.mapping(raw, "resources", p),
+        resources=_quantities(r.mapping(raw, "resources", p)),
         pod_template=r.mapping(raw, "podTemplate", p),
     )

@@ -236,7 +236,9 @@ def test_pod_template_overrides_merge_but_keep_selector_labels() -> None:
     assert {"name": "X", "value": "1"} in container["env"] and any(
         e["name"] == "POD_IP" for e in container["env"]
     )
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}}
+    assert container["resources"] == {
+        "limits": {"nvidia.com/gpu": "1", "memory": "40Gi"}
+    }  # as the server says
     assert merge_overrides({"a": [1, 2]}, {"a": [3]}) == {"a": [3]}
 
 
