@@ -392,3 +392,23 @@ async def test_deletion_and_resume(api: Api, kmock: RealisticEmulator) -> None:
     finally:
         await stop_operator(runner)
     assert not [e for e in kmock.errors if not isinstance(e, kmock_lib.KubernetesError)]
+
+
+async def test_namespace_scoped_mode(
+    api: Api, kmock: RealisticEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--namespace` plus the chart's namespace-scope setting: only the watched namespace is served."""
+    monkeypatch.setenv("TANDEM_OPERATOR_NO_SCANNING", "1")  # what the chart sets with rbac.scope=Namespace
+    runner = KopfRunner(kopf_args(["--standalone", "--namespace=team-a"]), timeout=10)
+    runner.__enter__()
+    try:
+        await eventually(lambda: _async(kmock.watchers(ISVC) > 0), timeout=30, interval=0.05)
+        await api.create("InferenceService", example("colocated"), ns="team-b")
+        await api.create("InferenceService", example("colocated"), ns="team-a")
+        await eventually(
+            lambda: _async(kmock.stored("apps/v1/deployments", "team-a", "smollm2-router") is not None)
+        )
+        await asyncio.sleep(0.5)
+        assert kmock.stored("apps/v1/deployments", "team-b", "smollm2-router") is None
+    finally:
+        await stop_operator(runner)
