@@ -33,6 +33,7 @@ test: setup ## run the whole test suite
 
 bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/serving.py
+	$(PY) bench/engine_profile.py --batch 32 --prompt-len 256 --output-len 128
 
 lint: setup ## ruff and mypy
 	$(VENV)/bin/ruff check operator workers tests bench

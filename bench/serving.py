@@ -1,0 +1,167 @@
+"""Serving benchmark: `tandem serve` under 32 concurrent streamed requests against transformers' best
+batched `generate` on the same prompts, measured in the same run on the same machine.
+
+    .venv/bin/python bench/serving.py                 # or: make bench
+    .venv/bin/python bench/serving.py --skip-hf       # only the server
+
+Writes bench/results/serving.json and bench/results/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TANDEM = Path(sys.executable).parent / "tandem"
+MODEL = "smollm2-135m-instruct"
+
+
+def start_server(port: int, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *extra],
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}: see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                print(f"server ready in {time.monotonic() - t0:.1f}s", flush=True)
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+
+
+def run_bench(url: str, a: argparse.Namespace, label: str) -> dict[str, Any]:
+    from tandem_router.bench import bench as run, build_parser
+
+    args = build_parser().parse_args([
+        "--url", url, "--workload", "random", "--concurrency", str(a.concurrency),
+        "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len),
+        "--output-len", str(a.output_len), "--seed", str(a.seed), "--label", label])
+    result, _ = asyncio.run(run(args))
+    return dict(result["summary"])
+
+
+def hf_prompts(a: argparse.Namespace) -> list[str]:
+    from tandem_router.bench.workload import random_sessions
+
+    return [s.turns[0] for s in random_sessions(a.num_prompts, a.input_len, a.seed)]
+
+
+def hf_generate(dtype: torch.dtype, prompts: list[str], output_len: int) -> dict[str, Any]:
+    """transformers' batched greedy generate, batch = all prompts, left padded, every token forced."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem_engine.models.loader import resolve_model, weights_dir
+
+    d = weights_dir(resolve_model(MODEL))
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=dtype)
+    model.eval()
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+              pad_token_id=tok.pad_token_id)
+    with torch.inference_mode():
+        model.generate(**batch, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate(**batch, **kw)
+        dt = time.perf_counter() - t0
+    n = (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return {"dtype": str(dtype), "batch": len(prompts), "prompt_tokens_padded": int(batch["input_ids"].shape[1]),
+            "output_tokens": int(n), "seconds": dt, "output_tok_s": n / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--server-args", default="", help="extra `tandem serve` flags")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "serving.json"))
+    a = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    extra = ["--dtype", a.dtype, "--max-num-seqs", str(max(a.concurrency, 32)), *a.server_args.split()]
+    t0 = time.monotonic()
+    proc = start_server(a.port, extra, Path("/tmp") / f"tandem-bench-{a.port}.log")
+    startup_s = time.monotonic() - t0
+    url = f"http://127.0.0.1:{a.port}"
+    try:
+        httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=120)
+        serving = run_bench(url, a, "tandem")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    print(json.dumps(serving, indent=1), flush=True)
+
+    hf: list[dict[str, Any]] = []
+    if not a.skip_hf:
+        prompts = hf_prompts(a)
+        for dtype in (torch.float32, torch.bfloat16):
+            r = hf_generate(dtype, prompts, a.output_len)
+            print(f"transformers {dtype}: {r['output_tok_s']:.1f} tok/s", flush=True)
+            hf.append(r)
+    best_hf = max((r["output_tok_s"] for r in hf), default=None)
+    result = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "processor": platform.processor()},
+        "config": vars(a) | {"server_flags": extra},
+        "server_startup_s": startup_s,
+        "tandem": serving,
+        "transformers": hf,
+        "speedup_vs_best_transformers": serving["output_throughput"] / best_hf if best_hf else None,
+    }
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    write_markdown(result, Path(a.out).with_suffix(".md"))
+    print(f"wrote {a.out}")
+
+
+def write_markdown(r: dict[str, Any], path: Path) -> None:
+    s = r["tandem"]
+    lines = [
+        f"# Serving benchmark ({r['time']})",
+        "",
+        f"{r['config']['num_prompts']} streamed requests, concurrency {r['config']['concurrency']}, "
+        f"~{r['config']['input_len']} prompt tokens, {r['config']['output_len']} output tokens (ignore_eos), "
+        f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py`.",
+        "",
+        "| system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+        "|---|---|---|---|",
+        f"| tandem serve ({r['config']['dtype']}) | {s['output_throughput']:.1f} | "
+        f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} |",
+    ]
+    for h in r["transformers"]:
+        lines.append(f"| transformers generate, batch {h['batch']}, {h['dtype']} | {h['output_tok_s']:.1f} | | |")
+    if r["speedup_vs_best_transformers"]:
+        lines += ["", f"Speed-up over the best transformers run: **{r['speedup_vs_best_transformers']:.2f}x**."]
+    lines += ["", f"Server start to healthy: {r['server_startup_s']:.1f} s."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
