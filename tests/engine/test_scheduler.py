@@ -164,3 +164,36 @@ def test_max_model_len_finishes_with_length() -> None:
     step(s)
     _, [o] = step(s)
     assert o.finish_reason == "length" and s.kv.usage == 0.0
+
+
+def test_random_workload_keeps_block_accounting_exact() -> None:
+    """Random arrivals, aborts and stops on a tight pool: ref counts always equal the number of live
+    requests holding each block, free + referenced = total, and everything is free at the end."""
+    import random
+
+    rng = random.Random(7)
+    s = make_sched(num_blocks=24, budget=16, max_seqs=6, max_len=64)
+    n = 0
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.25:
+            shared = [1, 2, 3, 4, 5, 6, 7, 8] if rng.random() < 0.5 else []
+            prompt = shared + [rng.randrange(10, 50) for _ in range(rng.randrange(1, 30))]
+            s.add_request(Request(f"q{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 12),
+                                                                  temperature=0.0), eos_token_ids=[EOS]))
+            n += 1
+        elif r < 0.35 and s.requests:
+            s.finish_requests([rng.choice(list(s.requests))], RequestStatus.FINISHED_ABORTED)
+        else:
+            step(s, token=rng.choice([EOS, 7, 9, 11, 13]))
+        holders = [0] * s.kv.pool.num_blocks
+        for blocks in s.kv.req_to_blocks.values():
+            for b in blocks:
+                holders[b] += 1
+        assert holders[1:] == s.kv.pool.ref_cnt[1:]
+        free = set(s.kv.pool.free_block_ids())
+        assert free == {b for b in range(1, s.kv.pool.num_blocks) if holders[b] == 0}
+        assert set(s.kv.req_to_blocks) <= set(s.requests)
+    while s.has_requests:
+        step(s)
+    assert all_free(s)
