@@ -25,9 +25,7 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 def _openapi(schema: Any) -> Any:
     """Strip the Kubernetes extensions and `default` so a plain OpenAPI 3.0 validator can run it."""
     if isinstance(schema, dict):
-        out = {
-            k: _openapi(v) for k, v in schema.items() if not k.startswith("x-kubernetes-") and k != "default"
-        }
+        out = {k: _openapi(v) for k, v in schema.items() if not k.startswith("x-kubernetes-") and k != "default"}
         if (
             schema.get("type") == "object"
             and "properties" in schema
@@ -46,9 +44,7 @@ def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     plain = _openapi(schema)
     plain["properties"]["metadata"] = {"type": "object"}
     validator = OAS30Validator(plain)
-    return sorted(
-        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)
-    )
+    return sorted(f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj))
 
 
 def cel_failures(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:

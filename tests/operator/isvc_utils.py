@@ -132,9 +132,7 @@ class Api:
         await self.patch("Deployment", name, {"status": status}, ns, sub="status")
 
 
-async def eventually(
-    probe: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.02
-) -> Any:
+async def eventually(probe: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.02) -> Any:
     """Poll `probe` until it returns something truthy; fail with its last value after `timeout`."""
     deadline = time.monotonic() + timeout
     last: Any = None

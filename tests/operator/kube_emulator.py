@@ -1,13 +1,21 @@
-"""KMock 0.8's Kubernetes emulator made realistic enough for kopf (see shared/reference/kmock.md).
+"""KMock 0.8's Kubernetes emulator made realistic enough for kopf, kubectl and Helm (see
+shared/reference/kmock.md).
 
 Stock kmock stores objects exactly as sent. kopf relies on apiserver behaviour it lacks:
 server-set ``uid``/``resourceVersion``/``generation``, watches that resume from a
 ``resourceVersion`` without losing events, 201 on create and 422 on a failed JSON-patch test.
-This subclass adds those, plus status-subresource isolation so that an operator cannot write
-``status`` through the main resource (nor ``spec`` through ``/status``).
+This subclass adds those, and also:
 
-It uses kmock private members (``_lock``, ``_buses``, name-mangled helpers): re-verify on
-every kmock upgrade (pinned to 0.8).
+- status-subresource isolation (``status`` cannot be written through the main resource, nor
+  ``spec`` through ``/status``), and ``generation`` bumps only when ``spec`` really changes;
+- ``generateName``; CRDs that make their resource discoverable when created; the apiserver's
+  error reasons (``NotFound``, ``AlreadyExists``); list ``kind``; a configurable server version;
+- 415 for protobuf bodies (kmock would 500 on them) and a core group discovery document that
+  client-go accepts, so Helm can install into it (with ``HELM_DRIVER=memory``);
+- O(1) object lookups and a bounded request history (kmock scans both on every request).
+
+It uses kmock private members (``_lock``, ``_buses``, ``_objects``, ``_requests``, name-mangled
+helpers): re-verify on every kmock upgrade (pinned to 0.8).
 """
 
 from __future__ import annotations
@@ -123,16 +131,14 @@ class RealisticEmulator(kmock.KubernetesEmulator):
         for version in spec.get("versions") or []:
             if not version.get("served"):
                 continue
-            self.resources[f"{spec.get('group')}/{version.get('name')}/{names.get('plural')}"] = (
-                kmock.ResourceInfo(
-                    kind=names.get("kind"),
-                    singular=names.get("singular"),
-                    shortnames=set(names.get("shortNames") or []),
-                    categories=set(names.get("categories") or []),
-                    namespaced=spec.get("scope") == "Namespaced",
-                    verbs={"create", "delete", "get", "list", "patch", "watch"},
-                    subresources=set(version.get("subresources") or {}),
-                )
+            self.resources[f"{spec.get('group')}/{version.get('name')}/{names.get('plural')}"] = kmock.ResourceInfo(
+                kind=names.get("kind"),
+                singular=names.get("singular"),
+                shortnames=set(names.get("shortNames") or []),
+                categories=set(names.get("categories") or []),
+                namespaced=spec.get("scope") == "Namespaced",
+                verbs={"create", "delete", "get", "list", "patch", "watch"},
+                subresources=set(version.get("subresources") or {}),
             )
 
     def _prepare_update(self, request: rendering.Request) -> None:
@@ -198,18 +204,14 @@ class RealisticEmulator(kmock.KubernetesEmulator):
         return await super()._render_error(exc)
 
     # kmock finds an object by scanning every stored object; a dict lookup is O(1).
-    def _lookup(
-        self, request: rendering.Request, namespace: str | None, name: str | None
-    ) -> kmock.Object | None:
+    def _lookup(self, request: rendering.Request, namespace: str | None, name: str | None) -> kmock.Object | None:
         key = (request.resource, namespace, name)
         return self._objects[key] if key in self._objects else None
 
     async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
         meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}
         async with self._lock:
-            obj = self._lookup(
-                request, request.namespace or meta.get("namespace"), request.name or meta.get("name")
-            )
+            obj = self._lookup(request, request.namespace or meta.get("namespace"), request.name or meta.get("name"))
             assert obj is not None  # created in _handle()
             payload = obj.raw
         return kmock.Response(status=201, payload=payload)

@@ -63,9 +63,7 @@ async def test_kubectl_helm_kubectl_gives_the_deployments(cluster: dict[str, Any
     em: RealisticEmulator = cluster["emulator"]
     out = await kubectl(cluster, "apply", "-f", "crds/")
     assert "inferenceservices.serving.tandem.dev created" in out
-    assert em.exists(
-        "apiextensions.k8s.io/v1/customresourcedefinitions", None, "inferenceservices.serving.tandem.dev"
-    )  # type: ignore[arg-type]
+    assert em.exists("apiextensions.k8s.io/v1/customresourcedefinitions", None, "inferenceservices.serving.tandem.dev")  # type: ignore[arg-type]
 
     if HAS_HELM:
         env = dict(os.environ, HELM_DRIVER="memory")
@@ -86,16 +84,12 @@ async def test_kubectl_helm_kubectl_gives_the_deployments(cluster: dict[str, Any
     runner = KopfRunner(kopf_args(OPERATOR_ARGS), timeout=10)
     runner.__enter__()
     try:
-        await eventually(
-            lambda: _now(em.watchers("serving.tandem.dev/v1alpha1/inferenceservices") > 0), 30, 0.05
-        )
+        await eventually(lambda: _now(em.watchers("serving.tandem.dev/v1alpha1/inferenceservices") > 0), 30, 0.05)
         out = await kubectl(cluster, "apply", "-n", "default", "-f", "crds/examples/disaggregated.yaml")
         assert "smollm2-pd created" in out
 
         names = {role: f"smollm2-pd-{role}" for role in ("prefill", "decode", "router")}
-        await eventually(
-            lambda: _now(all(em.exists("apps/v1/deployments", "default", n) for n in names.values()))
-        )
+        await eventually(lambda: _now(all(em.exists("apps/v1/deployments", "default", n) for n in names.values())))
         deployments = json.loads(await kubectl(cluster, "get", "deployments", "-n", "default", "-o", "json"))
         by_name = {d["metadata"]["name"]: d for d in deployments["items"]}
         isvc = json.loads(await kubectl(cluster, "get", "tisvc", "smollm2-pd", "-n", "default", "-o", "json"))

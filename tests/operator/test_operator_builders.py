@@ -203,9 +203,7 @@ def test_router_command_lines() -> None:
         f"{LABEL_ISVC}=smollm2-pd",
     ]
     static = parse_spec(body("colocated", router={"discovery": "Static"}))
-    assert router_command(static)[-2:] == ["--discovery", "static"] and "--prefill" not in router_command(
-        static
-    )
+    assert router_command(static)[-2:] == ["--discovery", "static"] and "--prefill" not in router_command(static)
 
 
 def test_model_sources() -> None:
@@ -214,9 +212,7 @@ def test_model_sources() -> None:
     pod = dep["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/llama/3.1-8b"
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
-        "volumes"
-    ]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
     hf = parse_spec(VARIANTS["hf-static-router"])
     pod = build_engine_deployment(hf, Role.PREFILL, "h")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
@@ -233,12 +229,8 @@ def test_pod_template_overrides_merge_but_keep_selector_labels() -> None:
     assert tmpl["spec"]["nodeSelector"] == {"gpu": "h200"}
     (container,) = tmpl["spec"]["containers"]
     assert container["name"] == "engine" and container["args"][0] == "serve"
-    assert {"name": "X", "value": "1"} in container["env"] and any(
-        e["name"] == "POD_IP" for e in container["env"]
-    )
-    assert container["resources"] == {
-        "limits": {"nvidia.com/gpu": "1", "memory": "40Gi"}
-    }  # as the server says
+    assert {"name": "X", "value": "1"} in container["env"] and any(e["name"] == "POD_IP" for e in container["env"])
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "1", "memory": "40Gi"}}  # as the server says
     assert merge_overrides({"a": [1, 2]}, {"a": [3]}) == {"a": [3]}
 
 

@@ -93,9 +93,7 @@ async def _async(value: Any) -> Any:
 
 def present(kmock: RealisticEmulator, name: str = NAME, ns: str = "default") -> set[tuple[str, str]]:
     return {
-        (kind, child)
-        for kind, child in expected_children(name)
-        if kmock.stored(RESOURCES[kind], ns, child) is not None
+        (kind, child) for kind, child in expected_children(name) if kmock.stored(RESOURCES[kind], ns, child) is not None
     }
 
 
@@ -167,8 +165,7 @@ async def test_create_builds_every_child_within_two_seconds(
     for shared in ("--model", "--dtype", "--block-size", "--max-model-len", "--kv-side-channel-port"):
         assert flag(p_args, shared) == flag(d_args, shared)
     assert (
-        engine(prefill)["startupProbe"]["failureThreshold"] * engine(prefill)["startupProbe"]["periodSeconds"]
-        >= 1800
+        engine(prefill)["startupProbe"]["failureThreshold"] * engine(prefill)["startupProbe"]["periodSeconds"] >= 1800
     )
     assert {p["name"]: p["containerPort"] for p in engine(prefill)["ports"]} == {
         "http": 8000,
@@ -199,9 +196,7 @@ async def test_colocated_has_no_prefill(api: Api, operator: KopfRunner, kmock: R
     assert condition(state, "PrefillReady")["reason"] == "Disabled"  # type: ignore[index]
 
 
-async def test_scale_and_spec_update_roll_out(
-    api: Api, operator: KopfRunner, kmock: RealisticEmulator
-) -> None:
+async def test_scale_and_spec_update_roll_out(api: Api, operator: KopfRunner, kmock: RealisticEmulator) -> None:
     await api.create("InferenceService", example("disaggregated"))
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
     old_hash = deployment(kmock, f"{NAME}-decode")["spec"]["template"]["metadata"]["annotations"]
@@ -213,9 +208,7 @@ async def test_scale_and_spec_update_roll_out(
     await api.patch("InferenceService", NAME, {"spec": {"engine": {"blockSize": 32, "maxModelLen": 4096}}})
     for role in ("prefill", "decode"):
         await eventually(
-            lambda r=role: _async(
-                flag(engine(deployment(kmock, f"{NAME}-{r}"))["args"], "--block-size") == "32"
-            )
+            lambda r=role: _async(flag(engine(deployment(kmock, f"{NAME}-{r}"))["args"], "--block-size") == "32")
         )
         assert flag(engine(deployment(kmock, f"{NAME}-{role}"))["args"], "--max-model-len") == "4096"
     hashes = {
@@ -228,9 +221,7 @@ async def test_scale_and_spec_update_roll_out(
     config = kmock.stored("v1/configmaps", "default", f"{NAME}-engine-config")
     assert config is not None and '"blockSize": 32' in config["data"]["engine-config.json"]
     await eventually(
-        lambda: _async(
-            (kmock.stored(ISVC, "default", NAME) or {}).get("status", {}).get("observedGeneration") == 3
-        )
+        lambda: _async((kmock.stored(ISVC, "default", NAME) or {}).get("status", {}).get("observedGeneration") == 3)
     )
 
     # Disaggregated -> colocated: the prefill workload and its Service go away.
@@ -244,9 +235,7 @@ async def test_scale_and_spec_update_roll_out(
     assert flag(engine(deployment(kmock, f"{NAME}-decode"))["args"], "--role") == "both"
 
 
-async def test_deleted_or_edited_child_is_restored(
-    api: Api, operator: KopfRunner, kmock: RealisticEmulator
-) -> None:
+async def test_deleted_or_edited_child_is_restored(api: Api, operator: KopfRunner, kmock: RealisticEmulator) -> None:
     await api.create("InferenceService", example("disaggregated"))
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
     first_uid = deployment(kmock, f"{NAME}-decode")["metadata"]["uid"]
@@ -272,9 +261,7 @@ async def test_deleted_or_edited_child_is_restored(
     )
     await eventually(
         lambda: _async(
-            (kmock.stored(RESOURCES["Role"], "default", f"{NAME}-router") or {})
-            .get("rules", [{}])[0]
-            .get("resources")
+            (kmock.stored(RESOURCES["Role"], "default", f"{NAME}-router") or {}).get("rules", [{}])[0].get("resources")
             == ["endpointslices"]
         )
     )
@@ -285,8 +272,7 @@ async def test_status_follows_children(api: Api, operator: KopfRunner, kmock: Re
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
     await eventually(
         lambda: _async(
-            (condition(kmock.stored(ISVC, "default", NAME), "DecodeReady") or {}).get("reason")
-            == "RolloutPending"
+            (condition(kmock.stored(ISVC, "default", NAME), "DecodeReady") or {}).get("reason") == "RolloutPending"
         )
     )
 
@@ -312,9 +298,7 @@ async def test_status_follows_children(api: Api, operator: KopfRunner, kmock: Re
     }
 
     await api.kubelet_reports(f"{NAME}-decode", ready=2)
-    await eventually(
-        lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "True")
-    )  # type: ignore[index]
+    await eventually(lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "True"))  # type: ignore[index]
     state = await isvc_state(kmock)
     ready = condition(state, "Ready")
     assert ready is not None and ready["reason"] == "AllRolesReady" and ready["observedGeneration"] == 1
@@ -322,9 +306,7 @@ async def test_status_follows_children(api: Api, operator: KopfRunner, kmock: Re
 
     # A router pod goes unready: Ready follows.
     await api.kubelet_reports(f"{NAME}-router", ready=0)
-    await eventually(
-        lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "False")
-    )  # type: ignore[index]
+    await eventually(lambda: _async(condition(kmock.stored(ISVC, "default", NAME), "Ready")["status"] == "False"))  # type: ignore[index]
     assert condition(await isvc_state(kmock), "RouterReady")["reason"] == "PodsNotReady"  # type: ignore[index]
 
 
@@ -360,9 +342,7 @@ async def test_invalid_spec_is_reported_not_crashed(
     await api.patch("InferenceService", NAME, {"spec": example("disaggregated")["spec"]})
     await eventually(lambda: _async(present(kmock) == expected_children(NAME)))
     await eventually(
-        lambda: _async(
-            (condition(kmock.stored(ISVC, "default", NAME), "Ready") or {}).get("reason") == "RolesNotReady"
-        )
+        lambda: _async((condition(kmock.stored(ISVC, "default", NAME), "Ready") or {}).get("reason") == "RolesNotReady")
     )
 
 
@@ -394,9 +374,7 @@ async def test_deletion_and_resume(api: Api, kmock: RealisticEmulator) -> None:
     assert not [e for e in kmock.errors if not isinstance(e, kmock_lib.KubernetesError)]
 
 
-async def test_namespace_scoped_mode(
-    api: Api, kmock: RealisticEmulator, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_namespace_scoped_mode(api: Api, kmock: RealisticEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--namespace` plus the chart's namespace-scope setting: only the watched namespace is served."""
     monkeypatch.setenv("TANDEM_OPERATOR_NO_SCANNING", "1")  # what the chart sets with rbac.scope=Namespace
     runner = KopfRunner(kopf_args(["--standalone", "--namespace=team-a"]), timeout=10)
@@ -405,9 +383,7 @@ async def test_namespace_scoped_mode(
         await eventually(lambda: _async(kmock.watchers(ISVC) > 0), timeout=30, interval=0.05)
         await api.create("InferenceService", example("colocated"), ns="team-b")
         await api.create("InferenceService", example("colocated"), ns="team-a")
-        await eventually(
-            lambda: _async(kmock.stored("apps/v1/deployments", "team-a", "smollm2-router") is not None)
-        )
+        await eventually(lambda: _async(kmock.stored("apps/v1/deployments", "team-a", "smollm2-router") is not None))
         await asyncio.sleep(0.5)
         assert kmock.stored("apps/v1/deployments", "team-b", "smollm2-router") is None
     finally:

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from isvc_utils import Api, prepare
+from isvc_utils import CRD_PATH, Api, load_yaml, prepare
 from kube_emulator import RealisticEmulator
 
 pytestmark = [pytest.mark.kmock(cls=RealisticEmulator), pytest.mark.timeout(30)]
@@ -34,12 +34,7 @@ async def test_create_sets_server_fields(http: tuple[str, aiohttp.ClientSession]
         assert resp.status == 201
         obj = await _json(resp)
     meta = obj["metadata"]
-    assert (
-        meta["namespace"] == "default"
-        and meta["generation"] == 1
-        and meta["uid"]
-        and meta["creationTimestamp"]
-    )
+    assert meta["namespace"] == "default" and meta["generation"] == 1 and meta["uid"] and meta["creationTimestamp"]
     async with s.post(base + CM, json={"metadata": {"generateName": "ev-"}}) as resp:
         assert resp.status == 201 and (await _json(resp))["metadata"]["name"].startswith("ev-")
     async with s.post(base + CM, json={"metadata": {"name": "a"}}) as resp:
@@ -65,9 +60,7 @@ async def test_versions_generation_and_status_isolation(
     assert changed["metadata"]["generation"] == 2
     # status through the main resource is ignored; spec through /status is ignored.
     await api.patch("Deployment", "d", {"status": {"readyReplicas": 9}})
-    await api.patch(
-        "Deployment", "d", {"spec": {"replicas": 7}, "status": {"readyReplicas": 3}}, sub="status"
-    )
+    await api.patch("Deployment", "d", {"spec": {"replicas": 7}, "status": {"readyReplicas": 3}}, sub="status")
     stored = kmock.stored("apps/v1/deployments", "default", "d")
     assert stored is not None and stored["spec"]["replicas"] == 3 and stored["status"] == {"readyReplicas": 3}
     assert stored["metadata"]["generation"] == 2
@@ -124,9 +117,7 @@ async def test_list_then_watch_from_its_version(http: tuple[str, aiohttp.ClientS
     events: list[dict[str, Any]] = []
 
     async def watch() -> None:
-        async with s.get(
-            base + "/api/v1/configmaps", params={"watch": "True", "resourceVersion": rv}
-        ) as resp:
+        async with s.get(base + "/api/v1/configmaps", params={"watch": "True", "resourceVersion": rv}) as resp:
             async for line in resp.content:
                 if line.strip():
                     events.append(json.loads(line))
@@ -143,3 +134,25 @@ async def test_list_then_watch_from_its_version(http: tuple[str, aiohttp.ClientS
         task.cancel()
     # Only what changed after the listed version: "b" (modified before the watch) and "c"; not "a".
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "b"), ("ADDED", "c")]
+
+
+async def test_crd_creation_makes_the_resource_discoverable(
+    kmock: RealisticEmulator, http: tuple[str, aiohttp.ClientSession]
+) -> None:
+    base, s = http
+    crd = load_yaml(CRD_PATH)
+    async with s.post(base + "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd) as resp:
+        assert resp.status == 201
+    async with s.get(base + "/apis/serving.tandem.dev/v1alpha1") as resp:
+        listing = await _json(resp)
+    names = {r["name"]: r for r in listing["resources"]}
+    assert names["inferenceservices"]["kind"] == "InferenceService" and "inferenceservices/status" in names
+    assert names["inferenceservices"]["shortNames"] == ["tisvc"] and names["inferenceservices"]["namespaced"]
+    async with s.get(base + "/api/v1") as resp:
+        assert (await _json(resp))["groupVersion"] == "v1"
+    async with s.get(base + CM + "/missing") as resp:
+        assert resp.status == 404 and (await _json(resp))["reason"] == "NotFound"
+    async with s.post(
+        base + CM, data=b"k8s\x00\x0a", headers={"Content-Type": "application/vnd.kubernetes.protobuf"}
+    ) as resp:
+        assert resp.status == 415

@@ -70,9 +70,7 @@ def test_compute_status_and_stable_transition_times() -> None:
     again = compute_status(spec, 5, deps, first)
     assert again == first and same_status(first, again)
 
-    old = dict(
-        first, conditions=[dict(c, lastTransitionTime="2020-01-01T00:00:00Z") for c in first["conditions"]]
-    )
+    old = dict(first, conditions=[dict(c, lastTransitionTime="2020-01-01T00:00:00Z") for c in first["conditions"]])
     deps[Role.DECODE] = dep(2, 2)
     ready = compute_status(spec, 5, deps, old)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
