@@ -21,21 +21,24 @@ def run_step(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     use_kernel: bool = False,
+    heads: tuple[int, int, int] = (NQ, NKV, D),
+    bs: int = BS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill each sequence's earlier context into its blocks, write this step's K/V, attend; return
     (backend output, reference output), both [T, NQ, D]."""
+    nq, nkv, d = heads
     g = torch.Generator().manual_seed(seed)
     # Unwritten slots hold a large finite value: any weight given to one shows up in the result.
-    k_cache = torch.full((NUM_BLOCKS, BS, NKV, D), POISON, dtype=dtype)
-    v_cache = torch.full((NUM_BLOCKS, BS, NKV, D), POISON, dtype=dtype)
+    k_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=dtype)
+    v_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=dtype)
     backend = TorchAttentionBackend(use_kernel=use_kernel)
-    keys = [torch.randn(s, NKV, D, generator=g).to(dtype) for s in seq_lens]
-    vals = [torch.randn(s, NKV, D, generator=g).to(dtype) for s in seq_lens]
+    keys = [torch.randn(s, nkv, d, generator=g).to(dtype) for s in seq_lens]
+    vals = [torch.randn(s, nkv, d, generator=g).to(dtype) for s in seq_lens]
     # Cached context, written as an earlier step would have.
     ctx = [s - q for q, s in zip(query_lens, seq_lens, strict=True)]
     if sum(ctx):
         with_ctx = [c for c in ctx if c]
-        prev = make_meta(with_ctx, with_ctx, [t for t, c in zip(tables, ctx, strict=True) if c], BS)
+        prev = make_meta(with_ctx, with_ctx, [t for t, c in zip(tables, ctx, strict=True) if c], bs)
         backend.write_kv(
             torch.cat([k[:c] for k, c in zip(keys, ctx, strict=True) if c]),
             torch.cat([v[:c] for v, c in zip(vals, ctx, strict=True) if c]),
@@ -43,7 +46,7 @@ def run_step(
             v_cache,
             prev.slot_mapping,
         )
-    meta = make_meta(query_lens, seq_lens, tables, BS)
+    meta = make_meta(query_lens, seq_lens, tables, bs)
     backend.write_kv(
         torch.cat([k[c:] for k, c in zip(keys, ctx, strict=True)]),
         torch.cat([v[c:] for v, c in zip(vals, ctx, strict=True)]),
@@ -51,8 +54,8 @@ def run_step(
         v_cache,
         meta.slot_mapping,
     )
-    query = torch.randn(sum(query_lens), NQ, D, generator=g).to(dtype)
-    scale = D**-0.5
+    query = torch.randn(sum(query_lens), nq, d, generator=g).to(dtype)
+    scale = d**-0.5
     out = backend.forward(query, k_cache, v_cache, meta, scale)
     ref, start = [], 0
     for q, k, v in zip(query_lens, keys, vals, strict=True):
@@ -81,6 +84,15 @@ CASES = {
 def test_matches_dense_reference(case: str, use_kernel: bool) -> None:
     out, ref = run_step(*CASES[case], use_kernel=use_kernel)
     assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
+@pytest.mark.parametrize("heads", [(4, 4, 16), (8, 1, 128), (9, 3, 64)], ids=["mha", "mqa_d128", "smollm2"])
+def test_head_layouts_at_block_size_16(heads: tuple[int, int, int], use_kernel: bool) -> None:
+    """Decode rows, a long prefill with context and a short chunk, at the engine's block size."""
+    tables = [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]]
+    out, ref = run_step([1, 20, 3, 1], [40, 20, 35, 17], tables, use_kernel=use_kernel, heads=heads, bs=16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
