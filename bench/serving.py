@@ -48,7 +48,8 @@ def start_server(port: int, extra: list[str], log: Path) -> subprocess.Popen[byt
 
 
 def run_bench(url: str, a: argparse.Namespace, label: str) -> dict[str, Any]:
-    from tandem_router.bench import bench as run, build_parser
+    from tandem_router.bench import bench as run
+    from tandem_router.bench import build_parser
 
     args = build_parser().parse_args([
         "--url", url, "--workload", "random", "--concurrency", str(a.concurrency),
@@ -153,7 +154,8 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
         "| system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
         "|---|---|---|---|",
         f"| tandem serve ({r['config']['dtype']}) | {s['output_throughput']:.1f} | "
-        f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} |",
+        f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | "
+        f"{s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} |",
     ]
     for h in r["transformers"]:
         lines.append(f"| transformers generate, batch {h['batch']}, {h['dtype']} | {h['output_tok_s']:.1f} | | |")
