@@ -71,9 +71,7 @@ def test_selector_parsing_and_matching() -> None:
         parse_selector("a!=b")
 
 
-async def test_endpointslices_are_watched_with_readiness(
-    kmock: Any, kubeconfig: str, upstream, router
-) -> None:
+async def test_endpointslices_are_watched_with_readiness(kmock: Any, kubeconfig: str, upstream, router) -> None:
     a = await upstream(name="a")
     b = await upstream(name="b")
     pa, pb = (int(u.url.rsplit(":", 1)[1]) for u in (a, b))
@@ -82,9 +80,7 @@ async def test_endpointslices_are_watched_with_readiness(
     )
     await kmock.post(SLICES, json=endpoint_slice("llm-prefill-1", "prefill", 9000, [("10.1.1.1", None)]))
     # Another InferenceService's slice: KMock ignores label selectors, the router must not.
-    await kmock.post(
-        SLICES, json=endpoint_slice("other-decode-1", "decode", 9000, [("10.2.2.2", True)], isvc="other")
-    )
+    await kmock.post(SLICES, json=endpoint_slice("other-decode-1", "decode", 9000, [("10.2.2.2", True)], isvc="other"))
     r = await router(
         discovery="kubernetes",
         namespace="ns",
@@ -94,9 +90,7 @@ async def test_endpointslices_are_watched_with_readiness(
         remote_prefill_threshold=10_000,
     )
     decode, prefill = r.router.decode, r.router.prefill
-    await eventually(
-        lambda: set(decode.endpoints) == {a.url} and set(prefill.endpoints) == {"http://10.1.1.1:9000"}
-    )
+    await eventually(lambda: set(decode.endpoints) == {a.url} and set(prefill.endpoints) == {"http://10.1.1.1:9000"})
     async with aiohttp.ClientSession() as s:
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert (await resp.json())["choices"][0]["text"].startswith(" a-0")

@@ -113,15 +113,8 @@ def test_openai_client_through_pd_router_equals_engine_greedy(stack: Stack, chat
     # Each request went to prefill first (max_tokens=1), then decode: remotely prefilled when the
     # engine returned kv_transfer_params, otherwise decode recomputed the prompt (local_fallback).
     name = "tandem:router_upstream_requests_total"
-    assert (
-        metric(after, name, role="prefill", outcome="200")
-        - metric(before, name, role="prefill", outcome="200")
-        == 2
-    )
-    assert (
-        metric(after, name, role="decode", outcome="200") - metric(before, name, role="decode", outcome="200")
-        == 2
-    )
+    assert metric(after, name, role="prefill", outcome="200") - metric(before, name, role="prefill", outcome="200") == 2
+    assert metric(after, name, role="decode", outcome="200") - metric(before, name, role="decode", outcome="200") == 2
     decisions = "tandem:router_pd_decisions_total"
     assert metric(after, decisions) - metric(before, decisions) == 2
 

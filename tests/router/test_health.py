@@ -72,16 +72,14 @@ async def test_kill_an_upstream_process_under_load(router) -> None:
         assert outcome == {"error-u0": 3, "ok-u1": 3}, outcome
         # New requests all go to the survivor (the first may find u0 refused and retry; none fails).
         after = [
-            (await client.completions.create(model="m", prompt="x", max_tokens=2)).choices[0].text
-            for _ in range(4)
+            (await client.completions.create(model="m", prompt="x", max_tokens=2)).choices[0].text for _ in range(4)
         ]
         assert all(t.startswith(" u1-0") for t in after)
         assert not r.router.decode.endpoints[urls[0]].healthy
         procs[0] = start_upstream_process(ports[0], "u0", tokens=60, token_delay=0.03)
         await eventually(lambda: r.router.decode.endpoints[urls[0]].healthy, timeout=15)
         back = [
-            (await client.completions.create(model="m", prompt="x", max_tokens=1)).choices[0].text
-            for _ in range(4)
+            (await client.completions.create(model="m", prompt="x", max_tokens=1)).choices[0].text for _ in range(4)
         ]
         assert sorted(t.split("-")[0] for t in back) == [" u0", " u0", " u1", " u1"]
         await client.close()

@@ -56,14 +56,8 @@ async def test_pd_short_uncached_prompt_skips_remote_prefill(upstream, router) -
         text = await (await s.get(r.url + "/metrics")).text()
     assert 'tandem:router_pd_decisions_total{decision="local_short_uncached"} 2.0' in text
     assert 'tandem:router_pd_decisions_total{decision="remote"} 1.0' in text
-    assert (
-        f'tandem:router_upstream_requests_total{{endpoint="{p.url}",outcome="200",role="prefill"}} 1.0'
-        in text
-    )
-    assert (
-        f'tandem:router_upstream_requests_total{{endpoint="{p.url}",outcome="200",role="prefill"}} 1.0'
-        in text
-    )
+    assert f'tandem:router_upstream_requests_total{{endpoint="{p.url}",outcome="200",role="prefill"}} 1.0' in text
+    assert f'tandem:router_upstream_requests_total{{endpoint="{p.url}",outcome="200",role="prefill"}} 1.0' in text
 
 
 async def test_pd_failed_prefill_falls_back_to_local_prefill(upstream, router) -> None:

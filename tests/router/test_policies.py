@@ -92,9 +92,15 @@ def test_load_bound_counts_the_new_request() -> None:
     e = eps(2)
     assert load_bound(e, 1.25) == 1
     e[0].acquire(1)
-    assert load_bound(e, 1.25) == 2
-    e[0].acquire(1)
-    assert load_bound(e, 1.25) == 2
+    assert load_bound(e, 1.25) == 1  # mean 1: the idle endpoint takes the next one
+    e[1].acquire(1)
+    e[1].acquire(1)
+    assert load_bound(e, 1.25) == 2  # mean 2: 2 + 2, never 3 + 1
+    many = eps(10)
+    for ep in many:
+        for _ in range(5):
+            ep.acquire(1)
+    assert load_bound(many, 1.25) == 6  # mean 5.1: 25% slack
 
 
 def test_prefix_aware_follows_the_longest_prefix_until_the_load_bound() -> None:
@@ -110,11 +116,13 @@ def test_prefix_aware_follows_the_longest_prefix_until_the_load_bound() -> None:
     d = pa.choose(e, follow, idx)
     assert (d.endpoint, d.reason) == (first.endpoint, "prefix_hit")
     assert d.matched_blocks == len(r.block_hashes)
-    # The hot endpoint holds 2 requests, the other none: the bound (ceil(1.25*3/2)=2) is reached.
-    first.endpoint.acquire(1)
+    # The hot endpoint holds a request, the other none: the bound (mean 1) is reached.
     first.endpoint.acquire(1)
     d = pa.choose(e, follow, idx)
     assert (d.endpoint, d.reason) == (other, "overflow")
+    other.acquire(1)
+    d = pa.choose(e, follow, idx)
+    assert (d.endpoint, d.reason) == (first.endpoint, "prefix_hit")
 
 
 def test_prefix_aware_places_cold_prefixes_by_ring_consistently() -> None:

@@ -20,9 +20,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_upstream_process(
-    port: int, name: str, tokens: int = 4, token_delay: float = 0.0
-) -> subprocess.Popen[bytes]:
+def start_upstream_process(port: int, name: str, tokens: int = 4, token_delay: float = 0.0) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,

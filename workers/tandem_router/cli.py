@@ -27,9 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem route", description="Route OpenAI requests to tandem engines.")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument(
-        "--decode", type=_urls, default=[], help="decode (or colocated) engine URLs, comma-separated"
-    )
+    p.add_argument("--decode", type=_urls, default=[], help="decode (or colocated) engine URLs, comma-separated")
     p.add_argument("--prefill", type=_urls, default=[], help="prefill engine URLs; enables the P/D flow")
     p.add_argument("--policy", choices=POLICIES, default=None, help="policy for both pools")
     p.add_argument("--decode-policy", choices=POLICIES, default=None)

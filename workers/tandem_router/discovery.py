@@ -88,9 +88,7 @@ class _SliceWatch:
         self.selector = selector
         self.parsed = parse_selector(selector)
         self.slices: dict[str, list[str]] = {}
-        self.thread = threading.Thread(
-            target=self._run, name=f"endpointslices-{pool.role.value}", daemon=True
-        )
+        self.thread = threading.Thread(target=self._run, name=f"endpointslices-{pool.role.value}", daemon=True)
 
     def _publish(self) -> None:
         if self.owner.stopping.is_set():
@@ -114,9 +112,7 @@ class _SliceWatch:
         backoff = 0.5
         while not self.owner.stopping.is_set():
             try:
-                listed = api.list_namespaced_endpoint_slice(
-                    ns, label_selector=self.selector, _request_timeout=10
-                )
+                listed = api.list_namespaced_endpoint_slice(ns, label_selector=self.selector, _request_timeout=10)
                 self.slices.clear()
                 for item in listed.items:
                     self._apply("ADDED", item)

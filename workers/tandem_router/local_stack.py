@@ -188,9 +188,7 @@ class Stack:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tandem up", description="Run router + prefill + decode engines locally."
-    )
+    p = argparse.ArgumentParser(prog="tandem up", description="Run router + prefill + decode engines locally.")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument(
         "--prefill",
@@ -204,9 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="prefix-aware")
     p.add_argument("--log-dir", default="logs")
     p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument(
-        "--engine-args", default="", help="extra `tandem serve` arguments, one shell-quoted string"
-    )
+    p.add_argument("--engine-args", default="", help="extra `tandem serve` arguments, one shell-quoted string")
     p.add_argument("--router-args", default="", help="extra `tandem route` arguments")
     # For tests: the engine program (anything taking `tandem serve`'s flags).
     p.add_argument("--engine-command", default=shlex.join([*TANDEM, "serve"]), help=argparse.SUPPRESS)

@@ -53,9 +53,7 @@ async def run_prefill(
         body = await up.resp.read()
         status = up.resp.status
     except (TimeoutError, aiohttp.ClientError) as e:
-        logger.warning(
-            "prefill endpoint %s failed mid-answer, decode prefills locally: %s", up.endpoint.url, e
-        )
+        logger.warning("prefill endpoint %s failed mid-answer, decode prefills locally: %s", up.endpoint.url, e)
         router.metrics.upstream_requests.labels("prefill", up.endpoint.url, "broken").inc()
         return None
     finally:
@@ -73,9 +71,7 @@ async def run_prefill(
         params = None
     if not isinstance(params, dict):
         # e.g. an engine without a KV connector: decode computes the prompt itself.
-        logger.info(
-            "prefill endpoint %s returned no kv_transfer_params; decode prefills locally", up.endpoint.url
-        )
+        logger.info("prefill endpoint %s returned no kv_transfer_params; decode prefills locally", up.endpoint.url)
         return None
     return params
 

@@ -75,9 +75,10 @@ class LeastLoad(Policy):
 
 def load_bound(candidates: list[Endpoint], load_factor: float) -> int:
     """Consistent hashing with bounded loads: an endpoint may take a request while its in-flight count,
-    including this request, is at most `load_factor` times the mean."""
-    total = sum(e.in_flight_requests for e in candidates) + 1
-    return max(1, math.ceil(load_factor * total / len(candidates)))
+    including this request, is at most max(ceil(mean), floor(load_factor * mean)). The floor keeps a
+    small pool from taking 3 requests on one endpoint and 1 on the other; large pools get the slack."""
+    mean = (sum(e.in_flight_requests for e in candidates) + 1) / len(candidates)
+    return max(1, math.ceil(mean), math.floor(load_factor * mean))
 
 
 class _RingMixin:

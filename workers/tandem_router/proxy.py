@@ -34,9 +34,7 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
-def error_response(
-    status: int, message: str, type_: str = "router_error", param: str | None = None
-) -> web.Response:
+def error_response(status: int, message: str, type_: str = "router_error", param: str | None = None) -> web.Response:
     return web.json_response(error_body(status, message, type_, param), status=status)
 
 
@@ -51,9 +49,7 @@ class NoEndpoint(Exception):
     def response(self) -> web.Response:
         if self.body is not None and self.status != 503:
             return web.Response(body=self.body, status=self.status, content_type="application/json")
-        return error_response(
-            self.status, str(self), "service_unavailable" if self.status == 503 else "upstream_error"
-        )
+        return error_response(self.status, str(self), "service_unavailable" if self.status == 503 else "upstream_error")
 
 
 @dataclass
@@ -169,9 +165,7 @@ async def relay(
             except (TimeoutError, aiohttp.ClientError) as e:
                 metrics.upstream_requests.labels(role, ep.url, "broken").inc()
                 router.pool(ep.role).eject(ep, f"answer cut off: {type(e).__name__}")
-                return error_response(
-                    502, f"endpoint {ep.url} failed mid-answer: {type(e).__name__}", "upstream_error"
-                )
+                return error_response(502, f"endpoint {ep.url} failed mid-answer: {type(e).__name__}", "upstream_error")
             metrics.ttft.labels(ep.url).observe(time.perf_counter() - t_start)
             metrics.upstream_requests.labels(role, ep.url, str(resp.status)).inc()
             return web.Response(
@@ -200,9 +194,7 @@ async def relay(
             logger.warning("endpoint %s died mid-stream (request %s): %s", ep.url, request_id, e)
             metrics.upstream_requests.labels(role, ep.url, "broken").inc()
             router.pool(ep.role).eject(ep, f"stream cut off: {type(e).__name__}")
-            await out.write(
-                sse_error(502, f"the engine serving this request failed mid-stream ({type(e).__name__})")
-            )
+            await out.write(sse_error(502, f"the engine serving this request failed mid-stream ({type(e).__name__})"))
         except (TimeoutError, aiohttp.SocketTimeoutError):
             metrics.upstream_requests.labels(role, ep.url, "timeout").inc()
             await out.write(sse_error(504, "the engine serving this request stopped sending"))

@@ -59,9 +59,7 @@ def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
             raise BadRequest("'messages' must be a list", "messages")
         # The role and content of every message, in order: what the chat template renders, minus markup.
         text = "".join(
-            f"<{m.get('role', '')}>{_content_text(m.get('content'))}\n"
-            for m in messages
-            if isinstance(m, dict)
+            f"<{m.get('role', '')}>{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
         )
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
@@ -90,9 +88,7 @@ def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
     )
 
 
-def routing_request(
-    req: ParsedRequest, block_chars: int, max_blocks: int, session: str | None
-) -> RoutingRequest:
+def routing_request(req: ParsedRequest, block_chars: int, max_blocks: int, session: str | None) -> RoutingRequest:
     # The model name seeds the chain: two models never share cache blocks.
     hashes = block_hashes(req.prompt_text, block_chars, max_blocks, seed=str(req.body.get("model", "")))
     return RoutingRequest(hashes, req.prompt_tokens, req.max_tokens, session)

@@ -25,22 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: completions for random, chat for shared-prefix",
     )
     p.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
-    p.add_argument(
-        "--concurrency", type=int, default=None, help="sessions in flight (default 1 without a rate)"
-    )
+    p.add_argument("--concurrency", type=int, default=None, help="sessions in flight (default 1 without a rate)")
     p.add_argument("--request-rate", type=float, default=None, help="sessions started per second (Poisson)")
     p.add_argument("--num-prompts", type=int, default=50, help="random: number of requests")
     p.add_argument("--input-len", type=int, default=128, help="random: prompt length (~tokens)")
-    p.add_argument(
-        "--range-ratio", type=float, default=0.0, help="random: lengths uniform in [(1-r)*len, len]"
-    )
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [(1-r)*len, len]")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
     p.add_argument("--users-per-group", type=int, default=4, help="shared-prefix: conversations per prompt")
     p.add_argument("--turns", type=int, default=3, help="shared-prefix: turns per conversation")
-    p.add_argument(
-        "--prefix-len", type=int, default=512, help="shared-prefix: system prompt length (~tokens)"
-    )
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt length (~tokens)")
     p.add_argument("--turn-len", type=int, default=32, help="shared-prefix: user message length (~tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
@@ -95,9 +89,7 @@ def main(argv: list[str]) -> int:
     if a.json_path:
         errors = sorted({r.error for r in records if r.error})[:10]
         result["errors"] = errors
-        result["requests"] = [
-            {k: v for k, v in asdict(r).items() if k not in ("itl", "text")} for r in records
-        ]
+        result["requests"] = [{k: v for k, v in asdict(r).items() if k not in ("itl", "text")} for r in records]
         with open(a.json_path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {a.json_path}")

@@ -93,9 +93,7 @@ async def one_request(
                     rec.output_tokens = data["usage"].get("completion_tokens", 0)
                 for choice in data.get("choices") or []:
                     piece = (
-                        choice.get("text")
-                        if target.endpoint != "chat"
-                        else (choice.get("delta") or {}).get("content")
+                        choice.get("text") if target.endpoint != "chat" else (choice.get("delta") or {}).get("content")
                     )
                     if not piece:
                         continue
@@ -127,9 +125,7 @@ async def run_session(
             + history
             + [{"role": "user", "content": user}]
         )
-        prompt = (
-            (sess.system + "\n" if sess.system else "") + "".join(f"{m['content']}\n" for m in history) + user
-        )
+        prompt = (sess.system + "\n" if sess.system else "") + "".join(f"{m['content']}\n" for m in history) + user
         rec = Record(start=0.0, group=sess.group, turn=turn)
         records.append(rec)
         await one_request(http, target, messages, prompt, rec, t0)
