@@ -51,6 +51,12 @@ class EngineMetrics:
         self.kv_held = Gauge("tandem:kv_blocks_held_for_transfer", "Blocks held for decode engines to read",
                              lbl, registry=r)
         self._per_engine: dict[int, SchedulerStats] = {}
+        # Publish every unlabelled-by-reason series at 0 from the start, so a fresh /metrics is complete.
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_time, self.kv_sent, self.kv_received, self.kv_failures, self.kv_seconds,
+                       self.kv_held):
+            metric.labels(model_name)
 
     def record_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         m = self.model_name
