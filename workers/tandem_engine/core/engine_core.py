@@ -10,6 +10,8 @@ import torch
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.core.scheduler import Scheduler
+from tandem_engine.kv_transfer.factory import make_connector
+from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
 from tandem_engine.models.loader import load_model, pick_dtype, resolve_model
 from tandem_engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
@@ -36,10 +38,19 @@ class EngineCore:
                 f"the KV cache holds {usable_tokens} tokens ({self.runner.num_blocks} blocks of "
                 f"{config.block_size}), less than --max-model-len {self.max_model_len}: raise "
                 "--kv-cache-gib or lower --max-model-len")
+        self.kv_connector: KVConnectorScheduler | None = None
+        self.kv_worker: KVConnectorWorker | None = None
+        self.engine_id = ""
+        if config.role != "both":
+            self.kv_connector, self.kv_worker = make_connector(config, engine_index)
+            self.engine_id = self.kv_worker.engine_id
+            self.runner.register_kv_connector(self.kv_worker)
         self.scheduler = Scheduler(
             KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching),
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            self.kv_connector, config.kv_failure_policy,
         )
+        self._idle = True  # the last step computed nothing and produced no output
         warm = self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, %d KV blocks of %d, "
@@ -60,9 +71,41 @@ class EngineCore:
         return self.scheduler.has_requests
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.kv_worker is not None:
+            self.scheduler.update_from_kv_output(self.kv_worker.get_finished(), time.monotonic())
         sched = self.scheduler.schedule()
+        if self.kv_worker is not None and self.kv_connector is not None:
+            self.kv_worker.start_load_kv(self.kv_connector.build_connector_meta())
         sampled = self.runner.execute(sched) if not sched.is_empty else {}
-        return self.scheduler.update_from_output(sched, sampled)
+        outputs = self.scheduler.update_from_output(sched, sampled)
+        self._idle = sched.is_empty and not outputs
+        return outputs
+
+    @property
+    def kv_busy(self) -> bool:
+        """Blocks held under a lease, or loads not yet reported: the loop keeps stepping."""
+        return self.kv_worker is not None and self.kv_worker.has_pending or \
+            self.kv_connector is not None and self.kv_connector.num_held_blocks > 0
+
+    def wait_timeout(self) -> float | None:
+        """How long the busy loop may block on its input queue: 0 not at all, None until input."""
+        if self.has_requests and not self._idle:
+            return 0.0
+        if self.kv_worker is None or self.kv_connector is None:
+            return 0.0 if self.has_requests else None
+        if self.kv_worker.transfers_in_flight:
+            return 0.005  # NIXL completion is polled; new input still wakes the loop at once
+        timeouts = [0.05] if self.has_requests else []
+        if self.kv_worker.has_pending:
+            timeouts.append(0.2)  # heartbeats of requests waiting to be scheduled
+        deadline = self.kv_connector.next_deadline()
+        if deadline is not None:
+            timeouts.append(max(0.0, deadline - time.monotonic()) + 0.01)
+        return min(timeouts, default=None)
+
+    def shutdown(self) -> None:
+        if self.kv_worker is not None:
+            self.kv_worker.shutdown()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -102,10 +102,13 @@ class EngineCoreProc:
         self._input_thread.start()
         self._output_thread.start()
         self._input_ready.wait(10)
+        if self.core.kv_worker is not None:
+            # Connector threads (handshake done, release or heartbeat arrived) wake an idle loop.
+            self.core.kv_worker.set_wakeup(lambda: self.input_queue.put(_WAKEUP))
 
     def ready_message(self) -> ReadyMessage:
         return ReadyMessage(self.engine_index, self.core.runner.num_blocks, self.core.config.block_size,
-                            self.core.max_model_len, os.getpid(),
+                            self.core.max_model_len, os.getpid(), engine_id=self.core.engine_id,
                             startup_seconds=self.core.startup_seconds)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -116,16 +119,21 @@ class EngineCoreProc:
 
     # -- busy loop ----------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
+        last_stats = None
         try:
             while True:
                 self._process_input_queue()
                 if self._shutdown.is_set() and not (self._draining and self.core.has_requests):
                     logger.info("[shutdown] engine %d leaving the busy loop", self.engine_index)
                     return
-                if self.core.has_requests:
+                if self.core.has_requests or self.core.kv_busy:
                     outputs = self.core.step()
-                    self.output_queue.put(EngineCoreOutputs(
-                        self.engine_index, outputs, self.core.stats(), time.time()))
+                    stats = self.core.stats()
+                    # KV bookkeeping steps with nothing to say (polling a read) send nothing.
+                    if outputs or self.core.has_requests or stats != last_stats:
+                        self.output_queue.put(
+                            EngineCoreOutputs(self.engine_index, outputs, stats, time.time()))
+                    last_stats = stats
         except Exception as e:
             logger.exception("[fatal] EngineCore %d died", self.engine_index)
             dead = EngineCoreOutputs(self.engine_index, [], None, time.time(),
@@ -136,10 +144,12 @@ class EngineCoreProc:
             raise SystemExit(1) from e
 
     def _process_input_queue(self) -> None:
-        block = not self.core.has_requests and not self._shutdown.is_set()
+        # Blocks only when idle; while KV transfers or leases are pending it waits with a timeout.
+        timeout = 0.0 if self._shutdown.is_set() else self.core.wait_timeout()
+        block = timeout != 0.0
         while True:
             try:
-                item = self.input_queue.get(block=block)
+                item = self.input_queue.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False
@@ -204,6 +214,7 @@ class EngineCoreProc:
         sock.close()
 
     def shutdown(self) -> None:
+        self.core.shutdown()
         self._shutdown.set()
         self._draining = False
         self.output_queue.put(None)

@@ -12,8 +12,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem_engine.core.kv_cache_manager import KVCacheManager
+from tandem_engine.kv_transfer.interface import KVConnectorOutput, KVConnectorScheduler
 from tandem_engine.protocol import EngineCoreOutput, Logprobs, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
 
@@ -55,8 +57,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+        kv_failure_policy: str = "fail",
     ) -> None:
         self.kv = kv_cache_manager
+        self.connector = connector
+        self.kv_failure_policy = kv_failure_policy
+        # Decode: requests whose blocks are allocated and being read from a prefill engine.
+        self.waiting_for_kv: dict[str, Request] = {}
+        # Ended while a read may still write their blocks: freed when the load reports.
+        self._deferred_free: dict[str, Request] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -72,25 +82,38 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if self.connector is not None:
+            self.connector.on_new_request(req)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Finish requests in any state (waiting, running, preempted); unknown ids are ignored."""
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        error: str | None = None) -> None:
+        """Finish requests in any state (waiting, running, preempted, waiting for remote KV); unknown
+        ids are ignored."""
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
+            may_free = True
             if req in self.running:
                 self.running.remove(req)
+            elif self.waiting_for_kv.pop(rid, None) is not None:
+                assert self.connector is not None
+                may_free = self.connector.request_ended_early(req)
             else:
                 try:
                     self.waiting.remove(req)
                 except ValueError:
                     pass
+                if self.connector is not None:
+                    self.connector.request_ended_early(req)
             req.status = status
-            self.kv.free(req)
+            if may_free:
+                self.kv.free(req)
+            else:
+                self._deferred_free[rid] = req
             self._finished_outputs.append(
                 EngineCoreOutput(rid, [], finish_reason=status.finish_reason,
-                                 num_cached_tokens=max(req.num_cached_tokens, 0))
+                                 num_cached_tokens=max(req.num_cached_tokens, 0), error=error)
             )
 
     @property
@@ -128,9 +151,14 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
             req = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if self.connector is not None and self.connector.remote_blocks_to_load(req, num_hit_tokens):
+                if not self._admit_remote(req, hits, num_hit_tokens):
+                    break
+                continue
             n = min(req.num_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 break
@@ -145,6 +173,55 @@ class Scheduler:
 
         assert budget >= 0 and len(self.running) <= self.max_num_seqs
         return out
+
+    def _admit_remote(self, req: Request, hits: list[int], num_hit_tokens: int) -> bool:
+        """Allocate blocks for every prompt token but the last and hand the missing ones to the
+        connector to read; the request computes nothing until its load reports."""
+        assert self.connector is not None
+        # Blocks become prefix-cache hits only once their KV has arrived: another request must not
+        # hit them mid-read. The next allocate_slots (for the last token) caches them.
+        caching, self.kv.enable_caching = self.kv.enable_caching, False
+        try:
+            new = self.kv.allocate_slots(req, req.num_prompt_tokens - 1 - num_hit_tokens, hits)
+        finally:
+            self.kv.enable_caching = caching
+        if new is None:
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kv[req.request_id] = req
+        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), len(hits))
+        return True
+
+    def update_from_kv_output(self, out: KVConnectorOutput, now: float) -> None:
+        """Apply the connector's finished loads, failed loads, releases and expired leases."""
+        assert self.connector is not None
+        for held in self.connector.update_from_output(out, now):
+            self.kv.free(held)
+        for rid in out.finished_recving:
+            if (req := self._deferred_free.pop(rid, None)) is not None:
+                self.kv.free(req)
+            elif (req := self.waiting_for_kv.pop(rid, None)) is not None:
+                # The prompt's KV is here but for the last token, recomputed for its logits.
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+        for rid, reason in out.failed_recving.items():
+            if (req := self._deferred_free.pop(rid, None)) is not None:
+                self.kv.free(req)
+            elif (req := self.waiting_for_kv.pop(rid, None)) is not None:
+                if self.kv_failure_policy == "recompute":
+                    logger.warning("request %s: %s; recomputing the prompt locally", rid, reason)
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
+                    req.status = RequestStatus.WAITING
+                    self.waiting.appendleft(req)
+                else:
+                    self.waiting_for_kv[rid] = req  # finish_requests frees it: the load has ended
+                    self.finish_requests([rid], RequestStatus.FINISHED_ERROR, f"KV transfer failed: {reason}")
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
@@ -190,7 +267,7 @@ class Scheduler:
                 req.status = status
                 output.finish_reason = status.finish_reason
                 output.stop_reason = req.stop_reason
-                self._free_finished(req)
+                output.kv_transfer_params = self._free_finished(req)
             outputs.append(output)
         return outputs
 
@@ -206,17 +283,32 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _free_finished(self, req: Request) -> None:
+    def _free_finished(self, req: Request) -> dict[str, Any] | None:
+        """Free a finished request's blocks, unless the connector holds them for a remote decode
+        (then returns the `kv_transfer_params` that name them)."""
         self.running.remove(req)
         del self.requests[req.request_id]
+        if self.connector is not None:
+            params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+            if params is not None:
+                return params
         self.kv.free(req)
+        return None
 
     def stats(self) -> SchedulerStats:
         queries, hits = self.kv.take_prefix_stats()
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_kv),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
         )
+        if self.connector is not None:
+            kv = self.connector.take_stats()
+            stats.kv_blocks_held_for_transfer = kv.held_blocks
+            stats.kv_transfer_sent_blocks = kv.sent_blocks
+            stats.kv_transfer_received_blocks = kv.received_blocks
+            stats.kv_transfer_failures = kv.failures
+            stats.kv_transfer_seconds = kv.seconds
+        return stats

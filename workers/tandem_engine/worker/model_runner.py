@@ -16,6 +16,7 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.scheduler import SampledToken, SchedulerOutput
+from tandem_engine.kv_transfer.interface import KVConnectorWorker
 from tandem_engine.models.loader import LoadedModel
 from tandem_engine.worker.sampler import Sampler
 
@@ -60,6 +61,12 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(self.num_layers)]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.kv_connector: KVConnectorWorker | None = None
+
+    def register_kv_connector(self, connector: KVConnectorWorker) -> None:
+        """Hand the whole pool to the KV connector once (it registers it with its transport)."""
+        connector.register_kv_caches(self.kv_pool)
+        self.kv_connector = connector
 
     @property
     def block_bytes(self) -> int:

@@ -1,0 +1,88 @@
+"""The one module that imports `nixl`: a thin agent wrapper with exactly the calls the connector makes.
+
+Block accounting is unit-tested against an in-memory double of this class (tests/engine/test_kv_connector.py);
+the real path runs end to end between two engine processes. PyPI's `nixl` meta package pulls both CUDA
+builds, so the project depends on `nixl-cu12` (import name `nixl_cu12`); `nixl` is tried first so an
+installed meta package or a source build also works.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def _api() -> Any:
+    try:
+        from nixl import _api  # type: ignore[import-not-found, attr-defined]
+    except ImportError:
+        from nixl_cu12 import _api  # type: ignore[import-not-found, no-redef]
+    return _api
+
+
+class NixlWrapper:
+    """One NIXL agent with the UCX backend. Handles are opaque to callers."""
+
+    def __init__(self, name: str) -> None:
+        api = _api()
+        # STRICT: the connector's control thread adds remote agents while the engine thread polls.
+        conf = api.nixl_agent_config(backends=["UCX"],
+                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.name = name
+        self._agent = api.nixl_agent(name, conf)
+        self._regs: list[Any] = []
+
+    def register(self, addr: int, nbytes: int, mem_type: str) -> None:
+        """Register one region ("DRAM" or "VRAM") with the backend."""
+        self._regs.append(self._agent.register_memory([(addr, nbytes, 0, "")], mem_type))
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        self._agent.remove_remote_agent(name)
+
+    def prep_descs(self, agent_name: str, descs: np.ndarray, mem_type: str) -> Any:
+        """Prepare a descriptor list once; `descs` is `[n, 3]` int64 (addr, len, device id).
+        `agent_name` "" means our own memory."""
+        return self._agent.prep_xfer_dlist(agent_name or "NIXL_INIT_AGENT", descs, mem_type)
+
+    def read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> tuple[Any, str]:
+        """Post a READ of remote descriptors into local ones; returns (handle, "DONE"|"PROC"|"ERR")."""
+        handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx)
+        return handle, str(self._agent.transfer(handle))
+
+    def check(self, handle: Any) -> str:
+        return str(self._agent.check_xfer_state(handle))
+
+    def release(self, handle: Any) -> bool:
+        """Release a transfer handle; False when NIXL refused (a transfer it could not cancel)."""
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception as e:  # nixlBind raises on an in-flight handle it cannot abort
+            logger.warning("NIXL refused to release a transfer handle: %s", e)
+            return False
+
+    def desc_count(self, handle: Any) -> int | None:
+        """Descriptors NIXL actually posted for a transfer (after merging contiguous ones), if known."""
+        try:
+            return int(self._agent.get_xfer_telemetry(handle).descCount)
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        for reg in self._regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as e:
+                logger.debug("deregister failed: %s", e)
+        self._regs.clear()
