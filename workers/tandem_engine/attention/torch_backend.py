@@ -3,13 +3,13 @@
 Decode rows (and two-token chunks) go to a C kernel (built once with the system C compiler, cached,
 called through ctypes) that reads K/V straight from the cache blocks: gathering them first would copy
 every key and value of every sequence on every layer, and on CPU that copy costs more than the
-attention. Each (query row, KV head) item scores its GQA group against the keys, so K/V are read once
-per group, never repeated per query head. Longer chunks use one SDPA per sequence (a GEMM is
-faster than the kernel's dot products there) over gathered blocks, with a causal mask offset by the
-cached context. Without a compiler, or for other dtypes, decode rows fall back to a gathered, padded,
-masked batch SDPA. The per-step plan depends only on the metadata: built once per step, reused by
-every layer. Padding slots are masked, not zeroed, so the cache must never hold NaN/inf (allocate it
-with torch.zeros).
+attention. Each query row is one work item that streams its blocks (every block a contiguous
+[block_size, nkv, D] chunk) once for all heads, so K/V are never repeated per query head.
+Longer chunks use one SDPA per sequence (its GEMMs beat the kernel's dot products there) over
+gathered blocks, with a causal mask offset by the cached context. Without a compiler, or for other
+dtypes, decode rows fall back to a gathered, padded, masked batch SDPA. The per-step plan depends only
+on the metadata: built once per step, reused by every layer. Padding slots are masked, not zeroed, so
+the cache must never hold NaN/inf (allocate it with torch.zeros).
 """
 
 from __future__ import annotations
@@ -46,50 +46,55 @@ typedef struct {
     const int32_t *table; int64_t table_stride;  /* [num_seqs, max_blocks] */
     const int64_t *rows, *seqs, *klens;          /* per work row: query row, sequence, keys to attend */
     float *out;                                  /* [T, nq, D] contiguous */
-    float *scratch; int64_t scratch_per_thread;  /* floats: g * max_klen scores + g * D accumulators */
+    float *scratch; int64_t scratch_per_thread;  /* floats: nq * max_klen scores + nq * D accumulators */
     int64_t n_rows; int nq, nkv, d, bs; float scale;
     int64_t next;                                /* work counter, advanced atomically */
 } job_t;
 
-static void one(const job_t *j, int64_t item, float *sc) {
-    const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv;
-    const int64_t r = item / nkv, h = item % nkv, row = j->rows[r], klen = j->klens[r];
+static void one(const job_t *j, int64_t r, float *sc) {
+    const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv, nq = j->nq;
+    const int64_t row = j->rows[r], klen = j->klens[r];
     const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
-    const float *q = j->q + row * j->q_tok_stride + h * g * d;
-    float *acc = sc + (int64_t)g * klen;
+    const float *q = j->q + row * j->q_tok_stride;
+    float *acc = sc + (int64_t)nq * klen;
     const int64_t tok_stride = (int64_t)nkv * d;
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
-        const float *kb = j->kc + ((int64_t)bt[p0 / bs] * bs * nkv + h) * d;
+        const float *kb = j->kc + (int64_t)bt[p0 / bs] * bs * tok_stride;
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         for (int64_t o = 0; o < n; o++) {
-            const float *k = kb + o * tok_stride;
-            for (int gi = 0; gi < g; gi++) {
-                const float *qq = q + gi * d; float s = 0.f;
-                for (int x = 0; x < d; x++) s += qq[x] * k[x];
-                sc[gi * klen + p0 + o] = s * j->scale;
+            for (int h = 0; h < nkv; h++) {
+                const float *k = kb + o * tok_stride + h * d;
+                for (int gi = 0; gi < g; gi++) {
+                    const float *qq = q + (h * g + gi) * d; float s = 0.f;
+                    for (int x = 0; x < d; x++) s += qq[x] * k[x];
+                    sc[(h * g + gi) * klen + p0 + o] = s * j->scale;
+                }
             }
         }
     }
-    for (int gi = 0; gi < g; gi++) {
-        float *s = sc + gi * klen, m = -INFINITY, sum = 0.f;
+    for (int hi = 0; hi < nq; hi++) {
+        float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
         for (int64_t p = 0; p < klen; p++) m = s[p] > m ? s[p] : m;
         for (int64_t p = 0; p < klen; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
         const float inv = 1.f / sum;
         for (int64_t p = 0; p < klen; p++) s[p] *= inv;
     }
-    memset(acc, 0, sizeof(float) * g * d);
+    memset(acc, 0, sizeof(float) * nq * d);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
-        const float *vb = j->vc + ((int64_t)bt[p0 / bs] * bs * nkv + h) * d;
+        const float *vb = j->vc + (int64_t)bt[p0 / bs] * bs * tok_stride;
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         for (int64_t o = 0; o < n; o++) {
-            const float *v = vb + o * tok_stride;
-            for (int gi = 0; gi < g; gi++) {
-                const float w = sc[gi * klen + p0 + o]; float *a = acc + gi * d;
-                for (int x = 0; x < d; x++) a[x] += w * v[x];
+            for (int h = 0; h < nkv; h++) {
+                const float *v = vb + o * tok_stride + h * d;
+                for (int gi = 0; gi < g; gi++) {
+                    const int hi = h * g + gi;
+                    const float w = sc[hi * klen + p0 + o]; float *a = acc + hi * d;
+                    for (int x = 0; x < d; x++) a[x] += w * v[x];
+                }
             }
         }
     }
-    memcpy(j->out + (row * j->nq + h * g) * d, acc, sizeof(float) * g * d);
+    memcpy(j->out + row * nq * d, acc, sizeof(float) * nq * d);
 }
 
 typedef struct { job_t *j; int tid; } arg_t;
@@ -97,7 +102,7 @@ typedef struct { job_t *j; int tid; } arg_t;
 static void *worker(void *p) {
     arg_t *a = (arg_t *)p; job_t *j = a->j;
     float *sc = j->scratch + a->tid * j->scratch_per_thread;
-    const int64_t total = j->n_rows * j->nkv;
+    const int64_t total = j->n_rows;
     for (;;) {
         const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (item >= total) break;
@@ -114,7 +119,7 @@ int tandem_paged_attention_f32(const float *q, int64_t q_tok_stride, const float
     job_t j = {q, q_tok_stride, kc, vc, table, table_stride, rows, seqs, klens, out, scratch,
                scratch_per_thread, n_rows, nq, nkv, d, bs, scale, 0};
     if (n_threads > 64) n_threads = 64;
-    if (n_threads > n_rows * nkv) n_threads = (int)(n_rows * nkv);
+    if (n_threads > n_rows) n_threads = (int)n_rows;
     if (n_threads < 1) n_threads = 1;
     pthread_t th[64]; arg_t args[64];
     for (int t = 0; t < n_threads; t++) args[t] = (arg_t){&j, t};
@@ -246,7 +251,7 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _build_plan(
-        self, meta: AttentionMetadata, block_size: int, g: int, d: int, use_kernel: bool
+        self, meta: AttentionMetadata, block_size: int, g: int, nkv: int, d: int, use_kernel: bool
     ) -> _Plan:
         qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
         limit = KERNEL_MAX_QUERY_LEN if use_kernel else 0
@@ -264,7 +269,7 @@ class TorchAttentionBackend(AttentionBackend):
                 klens += range(slens[i] - q + 1, slens[i] + 1)
         if rows:
             kernel = _KernelRows(
-                torch.tensor(rows), torch.tensor(seqs), torch.tensor(klens), g * (max(klens) + d)
+                torch.tensor(rows), torch.tensor(seqs), torch.tensor(klens), g * nkv * (max(klens) + d)
             )
         dec = [i for i, q in enumerate(qlens) if q == 1 and not use_kernel]
         if dec:
@@ -307,7 +312,7 @@ class TorchAttentionBackend(AttentionBackend):
         g = nq // nkv
         use_kernel = self._kernel_applies(query, k_cache)
         if self._plan_for is not meta or self._plan is None:
-            self._plan = self._build_plan(meta, k_cache.shape[1], g, d, use_kernel)
+            self._plan = self._build_plan(meta, k_cache.shape[1], g, nkv, d, use_kernel)
             self._plan_for = meta
         plan = self._plan
         if plan.decode is not None and plan.num_decode == t:
