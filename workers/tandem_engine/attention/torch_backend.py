@@ -224,7 +224,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._kernel = load_kernel() if use_kernel is not False else None
         if use_kernel and self._kernel is None:
             raise RuntimeError("the CPU attention kernel could not be built")
-        self._plan_for: AttentionMetadata | None = None
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan_key: tuple[object, ...] | None = None
         self._plan: _Plan | None = None
         self._scratch = torch.empty(0)
 
@@ -253,6 +254,9 @@ class TorchAttentionBackend(AttentionBackend):
     def _build_plan(
         self, meta: AttentionMetadata, block_size: int, g: int, nkv: int, d: int, use_kernel: bool
     ) -> _Plan:
+        dev = (
+            meta.block_table.device
+        )  # the kernel's row lists stay on the host; the SDPA path's tensors go here
         qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
         limit = KERNEL_MAX_QUERY_LEN if use_kernel else 0
         starts = [0]
@@ -278,12 +282,12 @@ class TorchAttentionBackend(AttentionBackend):
             table = meta.block_table
             decode_rows = None
             if dec != list(range(len(dec))):
-                decode_rows = torch.tensor([starts[i] for i in dec])
-                table = table.index_select(0, torch.tensor(dec, device=table.device))
+                decode_rows = torch.tensor([starts[i] for i in dec], device=dev)
+                table = table.index_select(0, torch.tensor(dec, device=dev))
             mask = None
             if min(dec_slens) != max_blocks * block_size:
-                pos = torch.arange(max_blocks * block_size)
-                mask = (pos[None, :] < torch.tensor(dec_slens)[:, None]).view(len(dec), 1, 1, -1)
+                pos = torch.arange(max_blocks * block_size, device=dev)
+                mask = (pos[None, :] < torch.tensor(dec_slens, device=dev)[:, None]).view(len(dec), 1, 1, -1)
             decode = _SdpaDecode(
                 decode_rows, table[: len(dec), :max_blocks].to(torch.int64).reshape(-1), mask
             )
@@ -294,7 +298,7 @@ class TorchAttentionBackend(AttentionBackend):
             s = slens[i]
             mask = None
             if s > q:
-                mask = torch.arange(s)[None, :] <= torch.arange(s - q, s)[:, None]
+                mask = torch.arange(s, device=dev)[None, :] <= torch.arange(s - q, s, device=dev)[:, None]
             blocks = meta.block_table[i, : -(-s // block_size)].to(torch.int64)
             prefills.append(_Prefill(starts[i], starts[i + 1], blocks, s, mask))
         return _Plan(kernel, decode, len(dec), prefills)
@@ -311,9 +315,13 @@ class TorchAttentionBackend(AttentionBackend):
         nkv = k_cache.shape[2]
         g = nq // nkv
         use_kernel = self._kernel_applies(query, k_cache)
-        if self._plan_for is not meta or self._plan is None:
+        # The plan is cached per step on the metadata object's identity (a runner builds one per step;
+        # holding the reference keeps its id from being reused); the lengths in the key guard against a
+        # runner that mutates one object in place.
+        key = (use_kernel, tuple(meta.query_lens_cpu), tuple(meta.seq_lens_cpu))
+        if self._plan_meta is not meta or self._plan_key != key or self._plan is None:
             self._plan = self._build_plan(meta, k_cache.shape[1], g, nkv, d, use_kernel)
-            self._plan_for = meta
+            self._plan_meta, self._plan_key = meta, key
         plan = self._plan
         if plan.decode is not None and plan.num_decode == t:
             return self._sdpa_decode(query, k_cache, v_cache, plan.decode, scale)
