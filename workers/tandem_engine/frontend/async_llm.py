@@ -23,12 +23,9 @@ logger = logging.getLogger(__name__)
 class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        src = resolve_model(config.model)
-        self.hf_config, self.tokenizer, self.generation_config = load_config_and_tokenizer(src)
-        self.model_name = config.served_model_name or src.served_name
-        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer, self.generation_config)
+        self.src = resolve_model(config.model)
+        self.model_name = config.served_model_name or self.src.served_name
         self.metrics = EngineMetrics(self.model_name)
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.core = CoreClient(config, self._on_outputs, self._on_dead)
         self.max_model_len = 0
         self._dead: BaseException | None = None
@@ -36,7 +33,17 @@ class AsyncLLM(EngineClient):
         self._started = False
 
     async def start(self) -> None:
+        """Launch the EngineCores first, load the tokenizer while they load the model, wait for READY."""
         t0 = time.perf_counter()
+        self.core.launch()
+        try:
+            self.hf_config, self.tokenizer, self.generation_config = await asyncio.to_thread(
+                load_config_and_tokenizer, self.src)
+        except BaseException:
+            self.core.terminate()
+            raise
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer, self.generation_config)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         await self.core.start()
         self.max_model_len = self.core.max_model_len
         self._started = True

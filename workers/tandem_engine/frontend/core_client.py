@@ -63,31 +63,36 @@ class CoreClient:
     def max_model_len(self) -> int:
         return self.ready[0].max_model_len
 
-    async def start(self, timeout_s: float | None = None) -> None:
-        """Launch the engines and wait for every READY; raises EngineStartupError on failure."""
-        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+    def launch(self) -> None:
+        """Start the EngineCore processes; they load the model while the frontend loads its tokenizer."""
         # tcp://127.0.0.1:* placeholders resolved to the endpoints actually bound.
+        self._handshake = self.ctx.socket(zmq.ROUTER)
+        self._handshake.bind("tcp://127.0.0.1:*")
         addresses = EngineAddresses(
             input=self.input_socket.getsockopt(zmq.LAST_ENDPOINT).decode(),
             output=self.output_socket.getsockopt(zmq.LAST_ENDPOINT).decode(),
-            handshake="",
+            handshake=self._handshake.getsockopt(zmq.LAST_ENDPOINT).decode(),
         )
-        handshake = self.ctx.socket(zmq.ROUTER)
-        handshake.bind("tcp://127.0.0.1:*")
-        addresses.handshake = handshake.getsockopt(zmq.LAST_ENDPOINT).decode()
         mp = multiprocessing.get_context("spawn")
         for i in range(self.config.data_parallel_size):
             p = mp.Process(target=run_engine_core, args=(self.config, i, addresses, logging.getLogger().level),
                            name=f"EngineCore_{i}", daemon=False)
             p.start()
             self.procs.append(p)
+
+    async def start(self, timeout_s: float | None = None) -> None:
+        """Launch the engines (unless `launch()` already did) and wait for every READY; raises
+        EngineStartupError on failure."""
+        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        if not self.procs:
+            self.launch()
         try:
-            await self._wait_for_ready(handshake, timeout_s)
+            await self._wait_for_ready(self._handshake, timeout_s)
         except BaseException:
             self.terminate()
             raise
         finally:
-            handshake.close(linger=0)
+            self._handshake.close(linger=0)
         # Each engine's input DEALER announced itself with an empty frame; drain those.
         for _ in self.procs:
             await asyncio.wait_for(self.input_socket.recv_multipart(), 30)
