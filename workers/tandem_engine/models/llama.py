@@ -77,12 +77,13 @@ def rope_inv_freq(cfg: Any) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n_heads, D] (may be a strided view), cos/sin [T, 1, D/2] -> new [T, n_heads, D].
+    """x [T, n_heads, D] (may be a strided view), cos [T, 1, D] = (cos, cos), sin [T, 1, D] = (-sin, sin)
+    -> new [T, n_heads, D].
 
-    The rotate-half convention of HF checkpoints: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    The rotate-half convention of HF checkpoints, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in three
+    ops: rolling the last dim by D/2 gives (x2, x1).
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, transposed: bool = False) -> nn.Parameter:
@@ -157,7 +158,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden] residual stream, updated in place
-        cos: torch.Tensor,  # [T, 1, D/2]
+        cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
@@ -193,7 +194,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class LlamaForCausalLM(nn.Module):
-    rope_cos: torch.Tensor  # [max_positions, D/2] buffers
+    rope_cos: torch.Tensor  # [max_positions, D] buffers: (cos, cos) and (-sin, sin)
     rope_sin: torch.Tensor
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
@@ -223,11 +224,12 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
-        # cos | sin tables [max_positions, D/2], in the model dtype like HF applies them.
+        # RoPE tables [max_positions, D] in the model dtype, as HF applies them.
         max_pos = int(getattr(cfg, "max_position_embeddings", 8192))
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(cfg))
-        self.register_buffer("rope_cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", freqs.sin().to(dtype), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("rope_cos", torch.cat((cos, cos), -1).to(dtype), persistent=False)
+        self.register_buffer("rope_sin", torch.cat((-sin, sin), -1).to(dtype), persistent=False)
 
     @classmethod
     def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
@@ -243,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], a fresh tensor we may update in place
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta, backend)
