@@ -88,9 +88,13 @@ def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
     )
 
 
-def routing_request(req: ParsedRequest, block_chars: int, max_blocks: int, session: str | None) -> RoutingRequest:
+def routing_request(
+    req: ParsedRequest, block_chars: int, max_blocks: int, session: str | None, hashed: bool = True
+) -> RoutingRequest:
+    """`hashed=False` when nothing will read the block hashes (no prefix-aware policy, no P/D)."""
     # The model name seeds the chain: two models never share cache blocks.
-    hashes = block_hashes(req.prompt_text, block_chars, max_blocks, seed=str(req.body.get("model", "")))
+    seed = str(req.body.get("model", ""))
+    hashes = block_hashes(req.prompt_text, block_chars, max_blocks, seed) if hashed else []
     return RoutingRequest(hashes, req.prompt_tokens, req.max_tokens, session)
 
 

@@ -10,7 +10,7 @@ from tandem_router.config import RouterConfig
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.health import HealthChecker
 from tandem_router.metrics import RouterMetrics
-from tandem_router.policies import Decision, Policy, RoutingRequest, make_policy
+from tandem_router.policies import Decision, Policy, PrefixAware, RoutingRequest, make_policy
 from tandem_router.pool import Endpoint, Pool, Role
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ class Router:
             Role.DECODE: make_policy(config.decode_policy, config.load_factor, config.cold_key_blocks),
             Role.PREFILL: make_policy(config.prefill_policy, config.load_factor, config.cold_key_blocks),
         }
+        # Whether anything reads prompt block hashes: a prefix-aware pool or the P/D decider.
+        self.uses_prefix_index = self.pd_mode or any(isinstance(p, PrefixAware) for p in self.policies.values())
         for pool in (self.decode, self.prefill):
             pool.listeners.append(self._on_health_change)
         self.health = HealthChecker(self)

@@ -59,7 +59,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     except BadRequest as e:
         return error_response(400, str(e), "invalid_request_error", e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    rreq = routing_request(parsed, cfg.block_chars, cfg.max_blocks, request.headers.get(cfg.session_header))
+    session = request.headers.get(cfg.session_header)
+    rreq = routing_request(parsed, cfg.block_chars, cfg.max_blocks, session, router.uses_prefix_index)
     # Only what the engine needs crosses: no client Authorization (the engines know no API key).
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     route = request.path
