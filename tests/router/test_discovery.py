@@ -127,3 +127,27 @@ async def test_endpointslices_are_watched_with_readiness(kmock: Any, kubeconfig:
             },
         )
         await eventually(lambda: decode.endpoints == {})
+
+
+def test_cli_selector_adds_the_role_per_pool() -> None:
+    from tandem_router.cli import config_from_args
+
+    c = config_from_args(
+        [
+            "--discovery",
+            "kubernetes",
+            "--namespace",
+            "ns",
+            "--selector",
+            f"{ISVC}=llm",
+            "--decode",
+            "http://ignored:8000",
+            "--policy",
+            "prefix-aware",
+        ]
+    )
+    assert c.decode_selector == f"{ISVC}=llm,{ROLE}=decode"
+    assert c.prefill_selector == f"{ISVC}=llm,{ROLE}=prefill"
+    assert (c.decode_policy, c.prefill_policy, c.namespace) == ("prefix-aware", "prefix-aware", "ns")
+    with pytest.raises(SystemExit):
+        config_from_args(["--discovery", "kubernetes"])

@@ -16,6 +16,7 @@ from tandem_router.server import start_server
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "TANDEM_API_KEY"
+ROLE_LABEL = "serving.tandem.dev/role"  # on every engine pod and Service (DESIGN.md section 6)
 
 
 def _urls(value: str) -> list[str]:
@@ -34,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", choices=POLICIES, default=None)
     p.add_argument("--discovery", choices=("static", "kubernetes"), default=d.discovery)
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", d.namespace))
+    p.add_argument(
+        "--selector",
+        default="",
+        help=f"EndpointSlice selector of both pools; {ROLE_LABEL}=decode or =prefill is added per pool",
+    )
     p.add_argument("--decode-selector", default="", help="EndpointSlice label selector of the decode pool")
     p.add_argument("--prefill-selector", default="", help="EndpointSlice label selector of the prefill pool")
     p.add_argument("--port-name", default=d.port_name, help="EndpointSlice port name to use")
@@ -69,8 +75,11 @@ def config_from_args(argv: list[str]) -> RouterConfig:
     a = build_parser().parse_args(argv)
     if a.discovery == "static" and not a.decode:
         raise SystemExit("tandem route: --decode URL[,URL...] is required with static discovery")
+    if a.selector:
+        a.decode_selector = a.decode_selector or f"{a.selector},{ROLE_LABEL}=decode"
+        a.prefill_selector = a.prefill_selector or f"{a.selector},{ROLE_LABEL}=prefill"
     if a.discovery == "kubernetes" and not a.decode_selector:
-        raise SystemExit("tandem route: --decode-selector is required with kubernetes discovery")
+        raise SystemExit("tandem route: --selector or --decode-selector is required with kubernetes discovery")
     return RouterConfig(
         host=a.host,
         port=a.port,

@@ -27,7 +27,8 @@ class Router:
             Role.PREFILL: make_policy(config.prefill_policy, config.load_factor, config.cold_key_blocks),
         }
         # Whether anything reads prompt block hashes: a prefix-aware pool or the P/D decider.
-        self.uses_prefix_index = self.pd_mode or any(isinstance(p, PrefixAware) for p in self.policies.values())
+        may_disaggregate = bool(config.prefill_urls or config.prefill_selector)
+        self.uses_prefix_index = may_disaggregate or any(isinstance(p, PrefixAware) for p in self.policies.values())
         for pool in (self.decode, self.prefill):
             pool.listeners.append(self._on_health_change)
         self.health = HealthChecker(self)
@@ -41,8 +42,9 @@ class Router:
 
     @property
     def pd_mode(self) -> bool:
-        """A prefill pool was configured: run the P/D flow (falling back to local prefill without one)."""
-        return bool(self.config.prefill_urls or self.config.prefill_selector)
+        """There is a prefill pool: run the P/D flow (decode prefills locally while none is healthy).
+        With Kubernetes discovery the pool is whatever prefill EndpointSlices exist right now."""
+        return bool(self.prefill.endpoints)
 
     def pool(self, role: Role) -> Pool:
         return self.prefill if role is Role.PREFILL else self.decode
