@@ -76,7 +76,7 @@ def hf_generate(dtype: torch.dtype, prompts: list[str], output_len: int) -> dict
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
     model.eval()
     batch = tok(prompts, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,

@@ -53,7 +53,7 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
     from tandem_engine.models.loader import resolve_model, weights_dir
 
     model = AutoModelForCausalLM.from_pretrained(weights_dir(resolve_model("smollm2-135m-instruct")),
-                                                 torch_dtype=torch.float32)
+                                                 dtype=torch.float32)
     model.eval()
     out = []
     with torch.inference_mode():
@@ -116,4 +116,26 @@ def test_prefix_cache_hits_give_the_same_tokens(
     cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
     # Every prompt longer than one block is now (mostly) served from the cache.
     assert all(c >= (n - 1) // 16 * 16 for c, n in zip(cached, PROMPT_LENS, strict=True))
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_client_disconnect_aborts_and_frees_every_block(server: Server, prompts: list[list[int]]) -> None:
+    import time
+
+    body = {"prompt": prompts[-1], "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == 2:
+                    assert server.metric("vllm:num_requests_running") == 1
+                    assert server.metric("vllm:kv_cache_usage_perc") > 0
+                    break
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.metric("vllm:num_requests_running") == 0 and server.metric("vllm:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.2)
+    assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0

@@ -4,24 +4,16 @@ official `openai` client. Outputs stay short (a few tokens): the CI machine has 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-MODEL = "smollm2-135m-instruct"
-STARTUP_TIMEOUT_S = 120.0
-TANDEM = Path(sys.executable).parent / "tandem"
+from tests.engine.engine_server import MODEL, run_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,48 +27,10 @@ CHAT: Any = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(TANDEM), "serve", "--model", MODEL, "--port", str(port), "--max-num-seqs", "8"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its EngineCore children share the group, so teardown reaches them
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tandem serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"tandem serve not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
-                )
-            time.sleep(1)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+    with run_server(["--max-num-seqs", "8"], tmp_path_factory.mktemp("serve")) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
