@@ -19,6 +19,17 @@ from tandem_engine.models.llama import LlamaForCausalLM
 from tests.engine.utils import hf_greedy, paged_greedy
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Correctness, not speed, is tested here: one intra-op thread avoids OpenMP's barrier stalls when
+    the two cores are shared with other work, which made these tests several times slower. (Function
+    scope: the cold cache build in the module fixture keeps its threads.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tandem-cache")
