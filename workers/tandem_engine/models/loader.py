@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: LlamaForCausalLM  # the native model, weights loaded, eval mode
     hf_config: PretrainedConfig
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
