@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
+import pytest
+from tests.router.utils import eventually
 
 LONG = "You are a helpful assistant who answers in detail. " * 12
 
@@ -101,3 +105,22 @@ async def test_pd_prefill_retried_on_another_prefill_endpoint(upstream, router) 
     # Round-robin over three reaches a bad one; each bad one is tried once, then ejected.
     assert len(p1.seen) <= 1 and len(p2.seen) <= 1 and len(p1.seen) + len(p2.seen) >= 1
     assert len(good.seen) == 3
+
+
+async def test_pd_client_disconnect_during_prefill_cancels_it_and_skips_decode(upstream, router) -> None:
+    p = await upstream(name="p", token_delay=5.0)
+    d = await upstream(name="d")
+    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            await s.post(
+                r.url + "/v1/completions",
+                json={"prompt": LONG, "stream": True},
+                headers={"X-Request-Id": "gone-pd"},
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
+    await eventually(lambda: p.disconnected == ["gone-pd"])
+    await asyncio.sleep(0.1)
+    assert d.seen == [] and p.finished == []
+    ep = r.router.prefill.endpoints[p.url]
+    assert (ep.in_flight_requests, ep.in_flight_tokens, ep.healthy) == (0, 0, True)
