@@ -102,3 +102,32 @@ async def test_bench_run_against_a_test_upstream(upstream, tmp_path: Path) -> No
     second = [x for x in up.seen if len(x.body["messages"]) == 4]
     assert len(second) == 4 and all(m.body["messages"][2]["content"].startswith(" a-0") for m in second)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_bench_random_workload_at_a_request_rate(upstream, tmp_path: Path) -> None:
+    up = await upstream(name="a", tokens=4)
+    out = tmp_path / "r.json"
+    argv = [
+        "--url",
+        up.url,
+        "--model",
+        "m",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--request-rate",
+        "50",
+        "--json",
+        str(out),
+    ]
+    assert await asyncio.to_thread(bench_main, argv) == 0
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 6 and result["config"]["endpoint"] == "completions"
+    prompts = [s.body["prompt"] for s in up.seen]
+    assert len(set(prompts)) == 6 and all(len(p.split()) == 12 for p in prompts)
+    assert all(s.body["max_tokens"] == 4 and s.body["ignore_eos"] and s.body["stream"] for s in up.seen)
+    starts = sorted(r["start"] for r in result["requests"])
+    assert starts[-1] > 0.01  # spread over time by the Poisson arrivals, not all at once

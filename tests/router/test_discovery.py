@@ -151,3 +151,13 @@ def test_cli_selector_adds_the_role_per_pool() -> None:
     assert (c.decode_policy, c.prefill_policy, c.namespace) == ("prefix-aware", "prefix-aware", "ns")
     with pytest.raises(SystemExit):
         config_from_args(["--discovery", "kubernetes"])
+
+
+def test_cli_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem_router.cli import config_from_args
+
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert config_from_args(["--decode", "http://a:1"]).api_key == "from-env"
+    assert config_from_args(["--decode", "http://a:1", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("TANDEM_API_KEY")
+    assert config_from_args(["--decode", "http://a:1"]).api_key is None
