@@ -167,6 +167,7 @@ async def test_client_disconnect_cancels_a_non_streamed_request(upstream, router
             break
         await asyncio.sleep(0.02)
     assert up.disconnected == ["gone-2"]
+    assert r.router.metrics.client_disconnects._value.get() == 1
 
 
 async def test_upstream_silence_times_out(upstream, router) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -75,6 +76,10 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     except ClientErrorFromPrefill as e:
         router.metrics.requests.labels(route, "", str(e.status)).inc()
         return web.Response(body=e.body, status=e.status, content_type="application/json")
+    except asyncio.CancelledError:  # the client left before any engine answered
+        router.metrics.client_disconnects.inc()
+        logger.info("client of request %s went away before the first byte", request_id)
+        raise
     url = up.endpoint.url
     resp = await relay(router, request, up, request_id, t_start)
     router.metrics.requests.labels(route, url, str(resp.status)).inc()
