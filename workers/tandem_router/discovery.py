@@ -94,6 +94,7 @@ class _SliceWatch:
         if self.owner.stopping.is_set():
             return
         urls = sorted({u for us in self.slices.values() for u in us})
+        assert self.owner.loop is not None
         self.owner.loop.call_soon_threadsafe(self.pool.set_urls, urls, True)
 
     def _apply(self, kind: str, obj: Any) -> None:
@@ -166,7 +167,7 @@ class KubernetesDiscovery(Discovery):
         self.watches: set[Any] = set()
         self._watchers: list[_SliceWatch] = []
         self.api: Any = None
-        self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop_policy().get_event_loop()
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     def _load_client(self) -> Any:
         from kubernetes import client, config
