@@ -193,7 +193,10 @@ class EngineCoreProc:
             kind_b, payload = sock.recv_multipart()
             kind = RequestType(kind_b[0])
             if kind == RequestType.ADD:
-                self.input_queue.put((kind, Request.from_engine_core_request(request_decoder.decode(payload))))
+                req = Request.from_engine_core_request(request_decoder.decode(payload))
+                if self.core.kv_worker is not None and req.kv_transfer_params:
+                    self.core.kv_worker.on_arrival(req.request_id, req.kv_transfer_params)
+                self.input_queue.put((kind, req))
             elif kind == RequestType.ABORT:
                 self.input_queue.put((kind, abort_decoder.decode(payload)))
             elif kind == RequestType.SHUTDOWN:

@@ -12,5 +12,5 @@ def make_connector(config: EngineConfig,
     engine_id = new_engine_id(engine_index)
     port = config.kv_side_channel_port + engine_index  # one side channel per DP rank, like vLLM
     sched = NixlConnectorScheduler(config, engine_id, port)
-    worker = NixlConnectorWorker(config, engine_id, port, debug=sched.debug_view)
+    worker = NixlConnectorWorker(config, engine_id, port, debug=sched.debug_view, held=sched.held_ids)
     return sched, worker

@@ -156,6 +156,10 @@ class KVConnectorWorker(ABC):
         """Called from connector threads when the engine loop has connector work to pick up."""
 
     @abstractmethod
+    def on_arrival(self, request_id: str, params: dict[str, Any]) -> None:
+        """Called from the input thread as a request reaches the process (before the scheduler)."""
+
+    @abstractmethod
     def start_load_kv(self, meta: KVConnectorMetadata) -> None: ...
 
     @abstractmethod

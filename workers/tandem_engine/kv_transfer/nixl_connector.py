@@ -128,7 +128,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 or req.status is not RequestStatus.FINISHED_LENGTH or not block_ids):
             return None
         self._held[req.request_id] = _Lease(req, len(block_ids), self.clock() + self.lease_s)
-        logger.debug("[lease] holding %d blocks of %s for %.1fs", len(block_ids), req.request_id,
+        logger.info("[lease] holding %d blocks of %s for %.1fs", len(block_ids), req.request_id,
                      self.lease_s)
         return {
             "do_remote_prefill": True,
@@ -186,6 +186,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         stats, self._stats = self._stats, KVTransferStats()
         stats.held_blocks = self.num_held_blocks
         return stats
+
+    def held_ids(self) -> set[str]:
+        """Request ids under a lease; called from the side-channel thread (one atomic copy)."""
+        return set(self._held)
 
     def debug_view(self) -> dict[str, Any]:
         """Held blocks per request, for the side channel's `debug` call."""

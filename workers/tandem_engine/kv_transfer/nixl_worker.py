@@ -55,6 +55,7 @@ class _Pending:
     t0: float = 0.0
     deadline: float = 0.0
     cancelled: bool = False
+    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -73,6 +74,7 @@ def _descs(base: int, num_layers: int, num_blocks: int, block_bytes: int) -> np.
 class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, config: EngineConfig, engine_id: str, side_channel_port: int,
                  debug: Callable[[], dict[str, Any]] | None = None,
+                 held: Callable[[], set[str]] | None = None,
                  nixl_factory: Callable[[str], NixlWrapper] = NixlWrapper) -> None:
         self.config = config
         self.role = config.role
@@ -80,18 +82,21 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.port = side_channel_port
         self.nixl = nixl_factory(engine_id)
         self._debug = debug or (lambda: {})
+        self._held = held
         self._wakeup: Callable[[], None] = lambda: None
         self._server: side_channel.SideChannelServer | None = None
         self._ctrl: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._ctrl_thread = threading.Thread(target=self._control_loop, name="KVControl", daemon=True)
-        self._ctrl_thread.start()
         self._lock = threading.Lock()  # guards _peers (written by the control thread)
         self._peers: dict[str, _PeerState] = {}  # remote engine id ->
         self._by_address: dict[str, str] = {}  # side-channel address -> the engine id last seen there
         self._pending: dict[str, _Pending] = {}
         self._out = KVConnectorOutput()
         self._hb_interval = max(0.2, config.kv_lease_seconds / 6)
-        self._next_hb = 0.0
+        self._heartbeat_ids: dict[str, RemoteEngine] = {}  # guarded by _lock
+        self._expired: set[str] = set()  # guarded by _lock
+        self._arrived: dict[str, RemotePrefill] = {}  # guarded by _lock: seen by the input thread only
+        self._ctrl_thread.start()
 
     # -- registration -------------------------------------------------------------------------
     def register_kv_caches(self, kv_pool: torch.Tensor) -> None:
@@ -114,7 +119,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                      "block_bytes": self.block_bytes, "layout": _LAYOUT, "mem_type": mem,
                      "compat_hash": self.compat_hash}
             self._server = side_channel.SideChannelServer(self.config.kv_host, self.port, reply, self._debug,
-                                                          lambda: self._wakeup())
+                                                          lambda: self._wakeup(), self._held)
         logger.info("[handshake] registered %s KV pool: %d layers x 2 x %d blocks of %d bytes (%s)", mem,
                     self.num_layers, self.num_blocks, self.block_bytes, self.engine_id)
 
@@ -123,14 +128,24 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # -- control thread -----------------------------------------------------------------------
     def _control_loop(self) -> None:
+        # Heartbeats run on this thread's own timer: an engine step (a long prefill) may take longer
+        # than a lease, and the lease must not run out while this engine still means to read.
+        next_hb = 0.0
         while True:
-            task = self._ctrl.get()
+            try:
+                task = self._ctrl.get(timeout=max(0.0, next_hb - time.monotonic()))
+            except queue.Empty:
+                task = self._send_heartbeats
             if task is None:
                 return
             try:
                 task()
             except Exception:
                 logger.exception("KV control task failed")
+            if time.monotonic() >= next_hb:
+                next_hb = time.monotonic() + self._hb_interval
+                if task is not self._send_heartbeats:
+                    self._send_heartbeats()
 
     def _handshake(self, remote: RemoteEngine) -> None:
         t0 = time.perf_counter()
@@ -171,15 +186,21 @@ class NixlConnectorWorker(KVConnectorWorker):
                 logger.debug("remove_remote(%s): %s", stale, e)
         self._wakeup()
 
-    def _notify(self, remote: RemoteEngine, message: dict[str, Any], tag: str) -> None:
+    def _notify(self, remote: RemoteEngine, message: dict[str, Any], tag: str, queued: float) -> None:
+        t0 = time.monotonic()
         try:
             side_channel.call(remote.address, message, timeout_s=2.0)
         except side_channel.SideChannelError as e:
             logger.warning("[lease] %s to %s failed: %s", tag, remote.engine_id, e)
+        if time.monotonic() - queued > 1.0:
+            logger.warning("[lease] %s to %s took %.2fs (%.2fs queued)", tag, remote.engine_id,
+                           time.monotonic() - queued, t0 - queued)
 
     # -- engine thread ------------------------------------------------------------------------
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         for rp in meta.new_remote:
+            with self._lock:
+                self._arrived.pop(rp.request_id, None)
             self._pending[rp.request_id] = _Pending(rp)
             self._ensure_handshake(rp.remote)
         for load in meta.loads:
@@ -198,6 +219,20 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._release(p, 0)
             if p.load is not None:
                 self._out.failed_recving[rid] = "cancelled"
+        # Reads start before this step's forward pass, and new arrivals are heartbeaten during it.
+        self._progress(poll=False)
+
+    def on_arrival(self, request_id: str, params: dict[str, Any]) -> None:
+        """Input thread: a remote-prefill request reached this process. Its lease is heartbeaten from
+        now, even while the engine thread is busy with a long step and has not seen it yet."""
+        if self.role != "decode" or not params.get("do_remote_prefill"):
+            return
+        try:
+            rp = RemotePrefill.parse(request_id, params)
+        except (KeyError, TypeError, ValueError):
+            return  # the scheduler side reports it
+        with self._lock:
+            self._arrived[request_id] = rp
 
     def _ensure_handshake(self, remote: RemoteEngine) -> None:
         with self._lock:
@@ -209,7 +244,8 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def _release(self, p: _Pending, num_blocks: int) -> None:
         msg = {"op": "release", "items": [[p.rp.remote_request_id, num_blocks]]}
-        self._ctrl.put(lambda: self._notify(p.rp.remote, msg, "release"))
+        queued = time.monotonic()
+        self._ctrl.put(lambda: self._notify(p.rp.remote, msg, "release", queued))
 
     def _post_read(self, p: _Pending, peer: _Peer) -> None:
         assert p.load is not None
@@ -232,6 +268,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         n = len(p.load.local_block_ids) if p.load is not None and error is None else 0
         self._release(p, n)
         if error is None:
+            logger.info("read %d blocks of %s in %.1f ms (waited %.1f s since arrival)", n, rid,
+                        (time.monotonic() - p.t0) * 1000, time.monotonic() - p.arrival)
             self._out.finished_recving.append(rid)
             self._out.received_blocks += n
             self._out.transfer_seconds.append(time.monotonic() - p.t0)
@@ -239,8 +277,42 @@ class NixlConnectorWorker(KVConnectorWorker):
             logger.warning("request %s: KV load failed: %s", rid, error)
             self._out.failed_recving[rid] = error
 
-    def get_finished(self) -> KVConnectorOutput:
+    def _progress(self, poll: bool) -> None:
+        """Post the reads whose peer is ready, poll posted ones (`poll`), refresh the heartbeat set."""
         now = time.monotonic()
+        with self._lock:
+            expired, self._expired = self._expired, set()
+        for p in list(self._pending.values()):
+            if p.load is None:
+                continue
+            if p.handle is None:
+                with self._lock:
+                    state = self._peers.get(p.rp.remote.engine_id)
+                if p.rp.remote_request_id in expired:
+                    # Never read blocks the prefill engine may already have reused.
+                    self._finish(p, "the prefill engine's lease ran out before the read")
+                elif state is not None and state.error is not None:
+                    self._finish(p, state.error)
+                elif state is not None and state.peer is not None:
+                    p.t0 = now
+                    self._post_read(p, state.peer)
+                elif now > p.deadline:
+                    self._finish(p, "KV handshake timed out")
+                continue
+            if not poll:
+                continue
+            status = self.nixl.check(p.handle)
+            if status == "DONE":
+                self._finish(p, None)
+            elif status == "ERR":
+                self._finish(p, "NIXL read failed")
+            elif now > p.deadline:
+                self._finish(p, f"KV read did not finish in {p.deadline - p.t0:.0f}s")
+        with self._lock:
+            # Read by the control thread, which heartbeats on its own timer even through long steps.
+            self._heartbeat_ids = {p.rp.remote_request_id: p.rp.remote for p in self._pending.values()}
+
+    def get_finished(self) -> KVConnectorOutput:
         if self._server is not None:
             while True:
                 try:
@@ -251,40 +323,29 @@ class NixlConnectorWorker(KVConnectorWorker):
                     self._out.released.append((ev[1], ev[2]))
                 else:
                     self._out.heartbeats.append(ev[1])
-        for p in list(self._pending.values()):
-            if p.load is None:
-                continue
-            if p.handle is None:
-                with self._lock:
-                    state = self._peers.get(p.rp.remote.engine_id)
-                if state is not None and state.error is not None:
-                    self._finish(p, state.error)
-                elif state is not None and state.peer is not None:
-                    p.t0 = now
-                    self._post_read(p, state.peer)
-                elif now > p.deadline:
-                    self._finish(p, "KV handshake timed out")
-                continue
-            status = self.nixl.check(p.handle)
-            if status == "DONE":
-                self._finish(p, None)
-            elif status == "ERR":
-                self._finish(p, "NIXL read failed")
-            elif now > p.deadline:
-                self._finish(p, f"KV read did not finish in {p.deadline - p.t0:.0f}s")
-        if self._pending and now >= self._next_hb:
-            self._next_hb = now + self._hb_interval
-            self._send_heartbeats()
+        self._progress(poll=True)
         out, self._out = self._out, KVConnectorOutput()
         return out
 
     def _send_heartbeats(self) -> None:
+        """Control thread: one heartbeat per prefill engine for every load not yet reported."""
+        with self._lock:
+            items = list(self._heartbeat_ids.items())
+            items += [(rp.remote_request_id, rp.remote) for rp in self._arrived.values()]
         by_remote: dict[RemoteEngine, list[str]] = {}
-        for p in self._pending.values():
-            by_remote.setdefault(p.rp.remote, []).append(p.rp.remote_request_id)
+        for rid, remote in items:
+            by_remote.setdefault(remote, []).append(rid)
         for remote, ids in by_remote.items():
-            msg = {"op": "heartbeat", "ids": ids}
-            self._ctrl.put(lambda r=remote, m=msg: self._notify(r, m, "heartbeat"))  # type: ignore[misc]
+            try:
+                reply = side_channel.call(remote.address, {"op": "heartbeat", "ids": ids}, timeout_s=2.0)
+            except side_channel.SideChannelError as e:
+                logger.warning("[lease] heartbeat to %s failed: %s", remote.engine_id, e)
+                continue
+            if reply.get("expired"):
+                logger.warning("[lease] %s no longer holds %s", remote.engine_id, reply["expired"])
+                with self._lock:
+                    self._expired.update(reply["expired"])
+                self._wakeup()
 
     @property
     def transfers_in_flight(self) -> bool:

@@ -56,11 +56,13 @@ class SideChannelServer:
     """Serves `handshake` and `debug`; queues `("heartbeat", id)` and `("release", id, num_blocks)`."""
 
     def __init__(self, host: str, port: int, handshake_reply: dict[str, Any],
-                 debug: Callable[[], dict[str, Any]], wakeup: Callable[[], None]) -> None:
+                 debug: Callable[[], dict[str, Any]], wakeup: Callable[[], None],
+                 held: Callable[[], set[str]] | None = None) -> None:
         self.address = f"tcp://{host}:{port}"
         self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._reply = msgspec.msgpack.encode({"ok": True, **handshake_reply})
         self._debug = debug
+        self._held = held
         self._wakeup = wakeup
         self._stop = threading.Event()
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -95,6 +97,10 @@ class SideChannelServer:
         if op == "heartbeat":
             for rid in msg["ids"]:
                 self.events.put(("heartbeat", str(rid)))
+            self._wakeup()
+            # Ids no longer held (lease ran out): the decode engine must not read them.
+            held = self._held() if self._held is not None else set(msg["ids"])
+            return msgspec.msgpack.encode({"ok": True, "expired": [r for r in msg["ids"] if r not in held]})
         elif op == "release":
             for rid, n in msg["items"]:
                 self.events.put(("release", str(rid), int(n)))
