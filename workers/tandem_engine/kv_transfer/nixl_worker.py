@@ -257,7 +257,22 @@ class NixlConnectorWorker(KVConnectorWorker):
         remote_idx = (lk * peer.num_blocks + remote).reshape(-1)
         p.handle, status = self.nixl.read(self._local, local_idx, peer.dlist, remote_idx)
         if status == "ERR":
+            self._peer_failed(p.rp.remote, "NIXL could not post the read (peer gone?)")
             self._finish(p, "NIXL could not post the read")
+
+    def _peer_failed(self, remote: RemoteEngine, error: str) -> None:
+        """Forget a peer whose reads fail: its queued loads fail fast, and a request that names it
+        again handshakes afresh (a restarted engine comes back with a new boot nonce anyway)."""
+        with self._lock:
+            state = self._peers.get(remote.engine_id)
+            if state is None or state.peer is None:
+                return
+            name, state.peer, state.error = state.peer.name, None, error
+        logger.warning("[handshake] dropping %s: %s", name, error)
+        try:
+            self.nixl.remove_remote(name)
+        except Exception as e:
+            logger.debug("remove_remote(%s): %s", name, e)
 
     def _finish(self, p: _Pending, error: str | None) -> None:
         rid = p.rp.request_id
@@ -305,6 +320,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             if status == "DONE":
                 self._finish(p, None)
             elif status == "ERR":
+                self._peer_failed(p.rp.remote, "NIXL read failed")
                 self._finish(p, "NIXL read failed")
             elif now > p.deadline:
                 self._finish(p, f"KV read did not finish in {p.deadline - p.t0:.0f}s")

@@ -56,12 +56,24 @@ class NixlWrapper:
         return self._agent.prep_xfer_dlist(agent_name or "NIXL_INIT_AGENT", descs, mem_type)
 
     def read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> tuple[Any, str]:
-        """Post a READ of remote descriptors into local ones; returns (handle, "DONE"|"PROC"|"ERR")."""
-        handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx)
-        return handle, str(self._agent.transfer(handle))
+        """Post a READ of remote descriptors into local ones; returns (handle, "DONE"|"PROC"|"ERR").
+        A peer that is gone (NIXL_ERR_REMOTE_DISCONNECT and the like) is an "ERR", never an exception."""
+        handle = None
+        try:
+            handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx)
+            return handle, str(self._agent.transfer(handle))
+        except Exception as e:  # nixlBind raises typed errors per status code
+            logger.warning("NIXL read failed to post: %s: %s", type(e).__name__, e)
+            if handle is not None:
+                self.release(handle)
+            return None, "ERR"
 
     def check(self, handle: Any) -> str:
-        return str(self._agent.check_xfer_state(handle))
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception as e:
+            logger.warning("NIXL transfer state: %s: %s", type(e).__name__, e)
+            return "ERR"
 
     def release(self, handle: Any) -> bool:
         """Release a transfer handle; False when NIXL refused (a transfer it could not cancel)."""
