@@ -11,6 +11,7 @@ import collections
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -109,10 +110,18 @@ def test_openai_client_through_pd_router_equals_engine_greedy(stack: Stack, chat
     before = httpx.get(stack.pd_router + "/metrics").text
     assert generate(stack.pd_router, stream=True, chat=chat) == direct
     assert generate(stack.pd_router, stream=False, chat=chat) == direct
-    after = httpx.get(stack.pd_router + "/metrics").text
     # Each request went to prefill first (max_tokens=1), then decode: remotely prefilled when the
     # engine returned kv_transfer_params, otherwise decode recomputed the prompt (local_fallback).
     name = "tandem:router_upstream_requests_total"
+    # The router counts a streamed answer once its stream is closed, which can trail the client's last
+    # chunk by a moment: wait for the counters to settle before comparing.
+    deadline = time.monotonic() + 10
+    while True:
+        after = httpx.get(stack.pd_router + "/metrics").text
+        settled = metric(after, name, role="decode", outcome="200") - metric(before, name, role="decode", outcome="200")
+        if settled >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert metric(after, name, role="prefill", outcome="200") - metric(before, name, role="prefill", outcome="200") == 2
     assert metric(after, name, role="decode", outcome="200") - metric(before, name, role="decode", outcome="200") == 2
     decisions = "tandem:router_pd_decisions_total"
