@@ -1,0 +1,176 @@
+"""P/D against colocated: TTFT at low load, and inter-token latency of running decodes while long prompts
+arrive (the interference disaggregation removes). Starts real `tandem serve` processes: one colocated
+engine with `--num-threads 2`, then a prefill and a decode engine with `--num-threads 1` each (the same
+two cores in total), and drives P/D the way DESIGN.md section 4 says (prefill with max_tokens=1, then
+decode with the returned kv_transfer_params). Results and a plot go to bench/results/.
+
+    .venv/bin/python bench/pd_latency.py [--long-len 1500 --streams 3 --arrivals 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+TANDEM = Path(sys.executable).parent / "tandem"
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "smollm2-135m-instruct"
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa ".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(args: list[str], log: Path) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def text(n_words: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, n_words))
+
+
+class Target:
+    """Colocated (`prefill` is None) or P/D; `ttft` and `stream` return latencies in seconds."""
+
+    def __init__(self, decode: str, prefill: str | None) -> None:
+        self.decode, self.prefill = decode, prefill
+
+    async def params(self, c: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
+        if self.prefill is None:
+            return {}
+        r = await c.post(self.prefill + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        p = r.json().get("kv_transfer_params")
+        return {"kv_transfer_params": p} if p else {}
+
+    async def stream(self, c: httpx.AsyncClient, prompt: str, max_tokens: int) -> list[float]:
+        """Arrival times of each streamed token, from the request's start (prefill included)."""
+        t0 = time.perf_counter()
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, **(await self.params(c, prompt))}
+        times = []
+        async with c.stream("POST", self.decode + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    times.append(time.perf_counter() - t0)
+        return times
+
+
+async def measure(t: Target, long_len: int, streams: int, arrivals: int, ttft_runs: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=600) as c:
+        await t.stream(c, text(50, 999), 2)  # warm-up (and the P/D handshake)
+        ttft = []
+        for i in range(ttft_runs):  # low load: one request at a time, a fresh 500-word prompt
+            ttft.append((await t.stream(c, text(500, 100 + i), 1))[0])
+        # Interference: short-prompt decodes stream while long prompts arrive one after another.
+        decodes = [asyncio.create_task(t.stream(c, text(20, 200 + i), 96)) for i in range(streams)]
+        await asyncio.sleep(3.0)
+        for i in range(arrivals):
+            await t.stream(c, text(long_len, 300 + i), 1)
+        token_times = await asyncio.gather(*decodes)
+    itl = np.concatenate([np.diff(ts[1:]) for ts in token_times])  # gaps after each stream's first token
+    return {"ttft_s": ttft, "ttft_p50_s": float(np.median(ttft)),
+            "itl_p50_s": float(np.percentile(itl, 50)), "itl_p99_s": float(np.percentile(itl, 99)),
+            "itl_max_s": float(itl.max()), "itl_count": int(itl.size)}
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = ["colocated", "pd"]
+    axes[0].bar(names, [res[n]["ttft_p50_s"] * 1000 for n in names], color=["#888", "#2a7"])
+    axes[0].set_title("TTFT p50, low load (ms)")
+    x = np.arange(2)
+    for j, (k, lbl) in enumerate((("itl_p50_s", "p50"), ("itl_p99_s", "p99"))):
+        axes[1].bar(x + j * 0.38, [res[n][k] * 1000 for n in names], 0.38, label=lbl)
+    axes[1].set_xticks(x + 0.19, names)
+    axes[1].set_title("ITL of running decodes while long prompts arrive (ms)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--long-len", type=int, default=1500, help="words in each arriving long prompt")
+    ap.add_argument("--streams", type=int, default=3)
+    ap.add_argument("--arrivals", type=int, default=4)
+    ap.add_argument("--ttft-runs", type=int, default=5)
+    args = ap.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="pd_latency_"))
+    print("engine logs in", logs)
+    res: dict[str, Any] = {"args": vars(args)}
+    url, proc = start(["--num-threads", "2"], logs / "colocated.log")
+    try:
+        wait_ready(url, proc)
+        res["colocated"] = asyncio.run(measure(Target(url, None), args.long_len, args.streams, args.arrivals,
+                                               args.ttft_runs))
+    finally:
+        stop(proc)
+    p_url, p = start(["--role", "prefill", "--num-threads", "1", "--kv-side-channel-port", str(free_port())],
+                     logs / "prefill.log")
+    d_url, d = start(["--role", "decode", "--num-threads", "1"], logs / "decode.log")
+    try:
+        wait_ready(p_url, p)
+        wait_ready(d_url, d)
+        res["pd"] = asyncio.run(measure(Target(d_url, p_url), args.long_len, args.streams, args.arrivals,
+                                        args.ttft_runs))
+    finally:
+        stop(d)
+        stop(p)
+    print(json.dumps(res, indent=2))
+    (RESULTS / "pd_latency.json").write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, RESULTS / "pd_latency.png")
+
+
+if __name__ == "__main__":
+    main()
