@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.models import packed_linear
+from tandem_engine.models.packed_linear import linear, packing_supported
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,13 @@ class DecoderLayer(nn.Module):
         self.qk_norm = cfg.model_type == "qwen3"
         self.q_norm = param(d) if self.qk_norm else None
         self.k_norm = param(d) if self.qk_norm else None
+        # oneDNN-packed copies of the projections, made after loading (`LlamaForCausalLM.prepack`).
+        self.packed: dict[str, torch.Tensor | None] = {}
+
+    def prepack(self) -> None:
+        self.packed = {"qkv": packed_linear.pack(self.qkv_weight), "o": packed_linear.pack(self.o_weight),
+                       "gate_up": packed_linear.pack(self.gate_up_weight),
+                       "down": packed_linear.pack(self.down_weight)}
 
     def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """Where checkpoint tensor `name` (relative to the layer) goes: (param, row start, row end)."""
@@ -166,7 +175,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))  # [T, q_size + 2 * kv_size]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
         if self.qk_norm:
@@ -181,12 +190,12 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, nq, D]
-        x.add_(F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias))
+        x.add_(linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.packed.get("o")))
 
         h = F.rms_norm(x, x.shape[-1:], self.post_attn_norm, self.eps)
-        gu = F.linear(h, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * inter]
+        gu = linear(h, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up"))  # [T, 2 * inter]
         act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        x.add_(F.linear(act, self.down_weight, self.down_bias))
+        x.add_(linear(act, self.down_weight, self.down_bias, self.packed.get("down")))
         return x
 
 
@@ -221,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = _param((cfg.hidden_size,), dtype)
+        self.packed_lm_head: torch.Tensor | None = None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
@@ -256,7 +266,15 @@ class LlamaForCausalLM(nn.Module):
         # Tied: from 4 rows on the [vocab, hidden] embedding is as fast or faster; 1-2 rows run ~1.5x faster
         # against the transposed copy.
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
-        return F.linear(hidden, w).float()
+        return linear(hidden, w, None, self.packed_lm_head).float()
+
+    def prepack(self, device: torch.device) -> None:
+        """Make oneDNN-packed copies of every projection and the head, where that is faster."""
+        if not packing_supported(self.dtype, device):
+            return
+        for layer in self.layers:
+            cast(DecoderLayer, layer).prepack()
+        self.packed_lm_head = packed_linear.pack(self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

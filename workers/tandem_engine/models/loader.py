@@ -268,5 +268,6 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         model = cls(config, dtype)
     model.load_weights(iter_safetensors(d))
     model.eval()
+    model.prepack(torch.device(device))
     logger.info("loaded %s (%s, %s) in %.2fs", src.served_name, cls.__name__, dtype, time.perf_counter() - t0)
     return LoadedModel(model, config, dtype, eos_token_ids(config, tokenizer, gen))
