@@ -217,8 +217,8 @@ class EngineCoreProc:
         sock.close()
 
     def shutdown(self) -> None:
-        self.core.shutdown()
         self._shutdown.set()
         self._draining = False
         self.output_queue.put(None)
         self._output_thread.join(5)
+        self.core.shutdown()

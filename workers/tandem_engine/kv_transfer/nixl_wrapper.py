@@ -8,6 +8,7 @@ installed meta package or a source build also works.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -18,10 +19,9 @@ logger = logging.getLogger(__name__)
 
 def _api() -> Any:
     try:
-        from nixl import _api  # type: ignore[import-not-found, attr-defined]
+        return importlib.import_module("nixl._api")
     except ImportError:
-        from nixl_cu12 import _api  # type: ignore[import-not-found, no-redef]
-    return _api
+        return importlib.import_module("nixl_cu12._api")
 
 
 class NixlWrapper:
