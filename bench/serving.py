@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--server-args", default="", help="extra `tandem serve` flags")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers baselines to run")
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,7 @@ def main() -> None:
     hf: list[dict[str, Any]] = []
     if not a.skip_hf:
         prompts = hf_prompts(a)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (getattr(torch, d) for d in a.hf_dtypes.split(",")):
             r = hf_generate(dtype, prompts, a.output_len)
             print(f"transformers {dtype}: {r['output_tok_s']:.1f} tok/s", flush=True)
             hf.append(r)
