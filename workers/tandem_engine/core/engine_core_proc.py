@@ -174,6 +174,12 @@ class EngineCoreProc:
 
     # -- IO threads ---------------------------------------------------------------------------
     def _input_loop(self, ctx: zmq.Context[Any], address: str) -> None:
+        try:
+            self._input_loop_inner(ctx, address)
+        except zmq.ContextTerminated:
+            pass  # shutdown closed the context under a blocking poll: nothing left to read
+
+    def _input_loop_inner(self, ctx: zmq.Context[Any], address: str) -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.engine_index.to_bytes(2, "little"))
         sock.setsockopt(zmq.LINGER, 0)
