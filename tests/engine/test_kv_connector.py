@@ -232,7 +232,7 @@ class FakeNixl:
 
     agents: dict[str, FakeNixl] = {}
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, num_threads: int = 0) -> None:
         self.name = name
         self.fail_reads = False
         self.posted: list[tuple[np.ndarray, np.ndarray]] = []

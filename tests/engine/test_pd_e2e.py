@@ -13,6 +13,7 @@ import pytest
 
 from tandem_engine.kv_transfer import side_channel
 from tests.engine.engine_server import Server, stop
+from tests.engine.test_engine_lifecycle import cpu_seconds, engine_pids
 from tests.engine.test_pd_proxy import completion, freeze, idle, kill, pd_completion, prefill, start_pair, wait_for
 
 pytestmark = pytest.mark.slow
@@ -61,6 +62,21 @@ async def test_pd_greedy_output_equals_colocated_for_concurrent_mixed_prompts(pd
     # Every read was released: no lease is left to run out.
     wait_for(lambda: idle(p) and idle(d), 3.0, "both engines idle")
     assert p.metric("tandem:kv_blocks_held_for_transfer") == 0
+
+
+async def test_idle_pd_engines_use_no_cpu_after_transfers(pd: tuple[Server, Server]) -> None:
+    """NIXL's progress thread must wait on UCX events, not spin: an idle P/D pair costs no CPU."""
+    p, d = pd
+    async with httpx.AsyncClient(timeout=120) as c:  # handshake done and a read made, whatever ran before
+        out = await pd_completion(c, p.url, d.url, completion(PROMPTS[2]))
+    assert out.status_code == 200, out.text
+    wait_for(lambda: idle(p) and idle(d), LEASE + 10, "both engines idle")
+    pids = [p.proc.pid, *engine_pids(p.proc.pid), d.proc.pid, *engine_pids(d.proc.pid)]
+    assert len(pids) == 4
+    await asyncio.sleep(1.0)
+    start = cpu_seconds(pids)
+    await asyncio.sleep(3.0)
+    assert cpu_seconds(pids) - start < 0.3
 
 
 async def test_blocks_held_under_a_lease_are_freed_when_nobody_reads(pd: tuple[Server, Server]) -> None:

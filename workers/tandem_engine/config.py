@@ -33,6 +33,7 @@ class EngineConfig:
     kv_host: str = "127.0.0.1"
     kv_lease_seconds: float = 30.0
     kv_failure_policy: Literal["fail", "recompute"] = "fail"
+    kv_transfer_threads: int = 2  # UCX threads that split one READ into parallel copies (0: none)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # Start-up
     ready_timeout_s: float = 600.0

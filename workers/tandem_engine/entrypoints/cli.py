@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-host", default="127.0.0.1", help="address decode engines use to reach this one")
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--kv-transfer-threads", type=int, default=2,
+                   help="UCX threads that split one KV read into parallel copies (0: the progress thread only)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for EngineCore READY")
     p.add_argument("--log-level", default="info")
     return p
@@ -57,7 +59,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         data_parallel_size=a.data_parallel_size, num_threads=a.num_threads,
         kv_side_channel_port=a.kv_side_channel_port, kv_host=a.kv_host, kv_lease_seconds=a.kv_lease_seconds,
-        kv_failure_policy=a.kv_failure_policy, attention_backend=a.attention_backend,
+        kv_failure_policy=a.kv_failure_policy, kv_transfer_threads=a.kv_transfer_threads,
+        attention_backend=a.attention_backend,
         ready_timeout_s=a.ready_timeout,
     )
 

@@ -75,12 +75,12 @@ class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, config: EngineConfig, engine_id: str, side_channel_port: int,
                  debug: Callable[[], dict[str, Any]] | None = None,
                  held: Callable[[], set[str]] | None = None,
-                 nixl_factory: Callable[[str], NixlWrapper] = NixlWrapper) -> None:
+                 nixl_factory: Callable[[str, int], NixlWrapper] = NixlWrapper) -> None:
         self.config = config
         self.role = config.role
         self.engine_id = engine_id
         self.port = side_channel_port
-        self.nixl = nixl_factory(engine_id)
+        self.nixl = nixl_factory(engine_id, config.kv_transfer_threads)
         self._debug = debug or (lambda: {})
         self._held = held
         self._wakeup: Callable[[], None] = lambda: None

@@ -25,15 +25,27 @@ def _api() -> Any:
 
 
 class NixlWrapper:
-    """One NIXL agent with the UCX backend. Handles are opaque to callers."""
+    """One NIXL agent with the UCX backend. Handles are opaque to callers.
 
-    def __init__(self, name: str) -> None:
+    `num_threads` > 0 gives UCX that many dedicated transfer threads, which split a large READ into
+    chunks copied in parallel (on CPU each is a `process_vm_readv`); they block while no transfer is
+    posted. `progress_ms` bounds how long the progress thread sleeps between UCX events."""
+
+    def __init__(self, name: str, num_threads: int = 0, progress_ms: int = 100) -> None:
         api = _api()
         # STRICT: the connector's control thread adds remote agents while the engine thread polls.
-        conf = api.nixl_agent_config(backends=["UCX"],
-                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         self.name = name
-        self._agent = api.nixl_agent(name, conf)
+        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=[], sync_mode=sync))
+        # nixl's Python agent hard-codes the progress thread's poll() timeout to 0, a busy spin that
+        # burns a core for as long as the engine lives. The thread waits on UCX's event fds, so a
+        # timeout only bounds the wake-up for events UCX does not signal. Swap in an agent configured
+        # with one before the backend exists (the backend copies the setting when it is created).
+        cfg = api.nixlBind.nixlAgentConfig()
+        cfg.useProgThread, cfg.useListenThread, cfg.syncMode = True, False, sync.value
+        cfg.pthrDelay, cfg.captureTelemetry = progress_ms * 1000, False
+        self._agent.agent = api.nixlBind.nixlAgent(name, cfg)
+        self._agent.create_backend("UCX", {"num_threads": str(num_threads)} if num_threads > 0 else {})
         self._regs: list[Any] = []
 
     def register(self, addr: int, nbytes: int, mem_type: str) -> None:
