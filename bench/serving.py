@@ -107,6 +107,11 @@ def main() -> None:
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
 
+    sys.path.insert(0, str(ROOT / "bench"))
+    from roofline import measure as roofline
+
+    ceiling = roofline(a.concurrency, a.input_len, a.output_len)  # before anything else runs
+    print(json.dumps(ceiling, indent=1), flush=True)
     extra = ["--dtype", a.dtype, "--max-num-seqs", str(max(a.concurrency, 32)), *a.server_args.split()]
     t0 = time.monotonic()
     proc = start_server(a.port, extra, Path("/tmp") / f"tandem-bench-{a.port}.log")
@@ -137,6 +142,7 @@ def main() -> None:
         "tandem": serving,
         "transformers": hf,
         "speedup_vs_best_transformers": serving["output_throughput"] / best_hf if best_hf else None,
+        "roofline": ceiling,
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
     write_markdown(result, Path(a.out).with_suffix(".md"))
@@ -163,6 +169,22 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
     if r["speedup_vs_best_transformers"]:
         lines += ["", f"Speed-up over the best transformers run: **{r['speedup_vs_best_transformers']:.2f}x**."]
     lines += ["", f"Server start to healthy: {r['server_startup_s']:.1f} s."]
+    c = r.get("roofline")
+    if c:
+        best = max(c["ceiling_output_tok_s"].items(), key=lambda kv: kv[1])
+        lines += ["", "## What this machine allows (`bench/roofline.py`, measured first in the same run)", "",
+                  f"The workload is {c['workload_tflop']:.2f} TFLOP ({c['gflop_per_prompt_token'] * 1e3:.0f} MFLOP "
+                  f"per prompt token, {c['gflop_per_output_token'] * 1e3:.0f} per output token). Matmul rates at "
+                  f"the model's shapes, {c['threads']} threads:", "", "| matmuls | GFLOP/s |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in c["gflops"].items()]
+        lines += ["", "Fastest possible output tok/s if every projection ran at those rates (attention, norms "
+                  "and sampling free): " + ", ".join(f"{k} {v:.0f}" for k, v in c["ceiling_output_tok_s"].items())
+                  + f". tandem reaches {s['output_throughput'] / best[1]:.0%} of the highest ceiling ({best[0]})."]
+        for h in r["transformers"]:
+            lines[-1] += f" transformers {h['dtype']} {h['output_tok_s'] / best[1]:.0%}."
+        if r["transformers"]:
+            need = 3 * max(h["output_tok_s"] for h in r["transformers"])
+            lines += ["", f"3x the best transformers run is {need:.0f} tok/s: {need / best[1]:.0%} of the ceiling."]
     path.write_text("\n".join(lines) + "\n")
 
 

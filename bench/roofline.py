@@ -1,0 +1,127 @@
+"""What this machine can do for the serving workload: matmul rates measured at the model's own shapes, the
+workload's FLOPs, and the fastest any engine could serve it here.
+
+    .venv/bin/python bench/roofline.py [--batch 32 --input-len 256 --output-len 128]
+
+Every engine computes the same projections for the same tokens (prompt tokens skip the LM head). The
+floor is: prompt tokens at the measured large-M rate, plus one decode step per output token at the
+measured rate for M = batch. Attention, norms and sampling are left out, so the ceiling is generous.
+`bench/serving.py` runs this first and reports both engines against the ceiling in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MODEL = "smollm2-135m-instruct"
+
+
+def shapes(cfg: Any) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
+    """(per-layer projections as (out, in), LM head, layers): what one token multiplies through."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # fused QKV, O, fused gate/up, down
+    return layer, (cfg.vocab_size, h), cfg.num_hidden_layers
+
+
+def flops_per_token(cfg: Any) -> tuple[float, float]:
+    """(prompt token, decode token): 2 FLOPs per weight; a prompt token skips the LM head."""
+    layer, head, n = shapes(cfg)
+    body = 2.0 * n * sum(o * k for o, k in layer)
+    return body, body + 2.0 * head[0] * head[1]
+
+
+def _time(fn: Any, min_s: float = 0.4) -> float:
+    fn()
+    ts: list[float] = []
+    t_end = time.perf_counter() + min_s
+    while len(ts) < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool) -> float:
+    """GFLOP/s of one layer's projections (and the LM head) for m tokens, weights as `nn.Linear` holds them."""
+    layer, lm, _ = shapes(cfg)
+    mats = [(o, k) for o, k in layer] + ([lm] if head else [])
+    ws = [torch.randn(o, k, dtype=dtype) for o, k in mats]
+    xs = {k: torch.randn(m, k, dtype=dtype) for _, k in mats}
+
+    def run() -> None:
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+
+    flops = sum(2.0 * m * o * k for o, k in mats)
+    return flops / _time(run) / 1e9
+
+
+def int8_rate(cfg: Any, m: int) -> float | None:
+    """The same for fbgemm's dynamic int8 linear (weights and activations in int8): for reference only."""
+    try:
+        layer, lm, _ = shapes(cfg)
+        mats = [*layer, lm]
+        packed = [torch.ops.quantized.linear_prepack(
+            torch.quantize_per_tensor(torch.randn(o, k), 0.02, 0, torch.qint8), None) for o, k in mats]
+        xs = {k: torch.randn(m, k) for _, k in mats}
+
+        def run() -> None:
+            for (_, k), p in zip(mats, packed, strict=True):
+                torch.ops.quantized.linear_dynamic(xs[k], p)
+
+        return sum(2.0 * m * o * k for o, k in mats) / _time(run) / 1e9
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 2048,
+            dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
+    from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+
+    cfg, _, _ = load_config_and_tokenizer(resolve_model(MODEL))
+    prompt_f, decode_f = flops_per_token(cfg)
+    prompt_tokens, out_tokens = batch * input_len, batch * output_len
+    total = prompt_tokens * prompt_f + out_tokens * decode_f
+    res: dict[str, Any] = {
+        "threads": torch.get_num_threads(), "batch": batch, "input_len": input_len, "output_len": output_len,
+        "gflop_per_prompt_token": prompt_f / 1e9, "gflop_per_output_token": decode_f / 1e9,
+        "workload_tflop": total / 1e12, "gflops": {}, "ceiling_output_tok_s": {}}
+    sq = torch.randn(2048, 2048)
+    res["gflops"]["float32 2048^3 (peak reference)"] = 2 * 2048**3 / _time(lambda: sq @ sq) / 1e9
+    for dt in dtypes:
+        name = str(dt).removeprefix("torch.")
+        big = rate(cfg, prefill_chunk, dt, head=False)
+        small = rate(cfg, batch, dt, head=True)
+        res["gflops"][f"{name} M={prefill_chunk}"] = big
+        res["gflops"][f"{name} M={batch}"] = small
+        floor_s = prompt_tokens * prompt_f / (big * 1e9) + out_tokens * decode_f / (small * 1e9)
+        res["ceiling_output_tok_s"][f"{name}, at each shape's rate"] = out_tokens / floor_s
+        peak = max(v for k, v in res["gflops"].items() if k.startswith(name))
+        res["ceiling_output_tok_s"][f"{name}, every FLOP at its best rate"] = out_tokens / (total / (peak * 1e9))
+    for m in (prefill_chunk, batch):
+        r = int8_rate(cfg, m)
+        if r is not None:
+            res["gflops"][f"int8 dynamic (fbgemm) M={m}"] = r
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    a = ap.parse_args()
+    print(json.dumps(measure(a.batch, a.input_len, a.output_len), indent=1))
+
+
+if __name__ == "__main__":
+    main()
