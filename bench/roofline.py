@@ -15,10 +15,10 @@ import argparse
 import json
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 MODEL = "smollm2-135m-instruct"
 
@@ -50,16 +50,20 @@ def _time(fn: Any, min_s: float = 0.4) -> float:
     return statistics.median(ts)
 
 
-def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool) -> float:
-    """GFLOP/s of one layer's projections (and the LM head) for m tokens, weights as `nn.Linear` holds them."""
+def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool, packed: bool = False) -> float:
+    """GFLOP/s of one layer's projections (and the LM head) for m tokens: weights as `nn.Linear` holds them,
+    or (`packed`) reordered once into oneDNN's blocked layout, as tandem's model runner does."""
+    from tandem_engine.models import packed_linear
+
     layer, lm, _ = shapes(cfg)
     mats = [(o, k) for o, k in layer] + ([lm] if head else [])
     ws = [torch.randn(o, k, dtype=dtype) for o, k in mats]
+    ps = [packed_linear.pack(w) if packed else None for w in ws]
     xs = {k: torch.randn(m, k, dtype=dtype) for _, k in mats}
 
     def run() -> None:
-        for w in ws:
-            F.linear(xs[w.shape[1]], w)
+        for w, p in zip(ws, ps, strict=True):
+            packed_linear.linear(xs[w.shape[1]], w, None, p)
 
     flops = sum(2.0 * m * o * k for o, k in mats)
     return flops / _time(run) / 1e9
@@ -70,6 +74,7 @@ def int8_rate(cfg: Any, m: int) -> float | None:
     try:
         layer, lm, _ = shapes(cfg)
         mats = [*layer, lm]
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
         packed = [torch.ops.quantized.linear_prepack(
             torch.quantize_per_tensor(torch.randn(o, k), 0.02, 0, torch.qint8), None) for o, k in mats]
         xs = {k: torch.randn(m, k) for _, k in mats}
@@ -85,6 +90,7 @@ def int8_rate(cfg: Any, m: int) -> float | None:
 
 def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 2048,
             dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
+    from tandem_engine.models import packed_linear
     from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
     cfg, _, _ = load_config_and_tokenizer(resolve_model(MODEL))
@@ -99,10 +105,12 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 20
     res["gflops"]["float32 2048^3 (peak reference)"] = 2 * 2048**3 / _time(lambda: sq @ sq) / 1e9
     for dt in dtypes:
         name = str(dt).removeprefix("torch.")
-        big = rate(cfg, prefill_chunk, dt, head=False)
-        small = rate(cfg, batch, dt, head=True)
-        res["gflops"][f"{name} M={prefill_chunk}"] = big
-        res["gflops"][f"{name} M={batch}"] = small
+        big = res["gflops"][f"{name} M={prefill_chunk}"] = rate(cfg, prefill_chunk, dt, head=False)
+        small = res["gflops"][f"{name} M={batch}"] = rate(cfg, batch, dt, head=True)
+        if packed_linear.packing_supported(dt, torch.device("cpu")):
+            pb = res["gflops"][f"{name} oneDNN-packed M={prefill_chunk}"] = rate(cfg, prefill_chunk, dt, False, True)
+            ps = res["gflops"][f"{name} oneDNN-packed M={batch}"] = rate(cfg, batch, dt, True, True)
+            big, small = max(big, pb), max(small, ps)
         floor_s = prompt_tokens * prompt_f / (big * 1e9) + out_tokens * decode_f / (small * 1e9)
         res["ceiling_output_tok_s"][f"{name}, at each shape's rate"] = out_tokens / floor_s
         peak = max(v for k, v in res["gflops"].items() if k.startswith(name))
