@@ -235,6 +235,7 @@ class FakeNixl:
     def __init__(self, name: str, num_threads: int = 0) -> None:
         self.name = name
         self.fail_reads = False
+        self.in_flight = False  # reads report "PROC" while set
         self.posted: list[tuple[np.ndarray, np.ndarray]] = []
         FakeNixl.agents[name] = self
 
@@ -263,7 +264,7 @@ class FakeNixl:
         return object(), "PROC"
 
     def check(self, handle: Any) -> str:
-        return "ERR" if self.fail_reads else "DONE"
+        return "ERR" if self.fail_reads else "PROC" if self.in_flight else "DONE"
 
     def release(self, handle: Any) -> bool:
         return True
@@ -298,12 +299,18 @@ def _poll(worker: NixlConnectorWorker, until: Any, timeout_s: float = 10.0,
     pytest.fail(f"connector did not report in {timeout_s}s: {merged}")
 
 
+HELD: set[str] | None = None  # what the prefill side reports as held; None: everything asked about
+
+
 @pytest.fixture
 def pair() -> Any:
+    global HELD
+    HELD = None
     port = _free_port()
     pcfg = EngineConfig(role="prefill", block_size=BS, kv_lease_seconds=1.2)
     dcfg = EngineConfig(role="decode", block_size=BS, kv_lease_seconds=1.2)
-    p = NixlConnectorWorker(pcfg, "P-1", port, nixl_factory=FakeNixl)  # type: ignore[arg-type]
+    p = NixlConnectorWorker(pcfg, "P-1", port, nixl_factory=FakeNixl,  # type: ignore[arg-type]
+                            held=lambda: {"p-1"} if HELD is None else HELD)
     d = NixlConnectorWorker(dcfg, "D-1", 0, nixl_factory=FakeNixl)  # type: ignore[arg-type]
     # [num_layers=2, 2, num_blocks, block_size, num_kv_heads=1, head_dim=3]
     p_pool = torch.arange(2 * 2 * 8 * BS * 3, dtype=torch.float32).reshape(2, 2, 8, BS, 1, 3)
@@ -343,6 +350,34 @@ def test_worker_reports_a_failed_read_once_and_still_releases(pair: Any) -> None
     assert list(out.failed_recving) == ["r"] and out.finished_recving == []
     assert _poll(p, lambda o: o.released).released == [("p-1", 0)]
     assert not d.get_finished().failed_recving
+
+
+def test_no_read_is_posted_before_a_heartbeat_confirms_the_lease(pair: Any) -> None:
+    """Arrival and load in one step (a fast scheduler): the prefill engine has already let the lease run
+    out, so its blocks may be reused; the read must never start."""
+    global HELD
+    HELD = set()
+    p, d, _, d_pool, port = pair
+    rp = RemotePrefill.parse("r", {**remote([3, 4]), "remote_port": port, "remote_engine_id": "P-1"})
+    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2, 3], [3, 4])]))
+    out = _poll(d, lambda o: o.failed_recving, tick=p)
+    assert "lease ran out before the read" in out.failed_recving["r"]
+    assert FakeNixl.agents["D-1"].posted == [] and torch.count_nonzero(d_pool) == 0
+    assert _poll(p, lambda o: o.released).released == [("p-1", 0)]
+
+
+def test_lease_lost_during_the_read_fails_the_load_instead_of_using_the_bytes(pair: Any) -> None:
+    global HELD
+    p, d, _, _, port = pair
+    FakeNixl.agents["D-1"].in_flight = True
+    rp = RemotePrefill.parse("r", {**remote([3]), "remote_port": port, "remote_engine_id": "P-1"})
+    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2], [3])]))
+    _poll(d, lambda o: FakeNixl.agents["D-1"].posted, tick=p)
+    HELD = set()  # the prefill engine frees the blocks while the read is in flight
+    time.sleep(0.6)  # a heartbeat round (every 0.2 s here) reports it
+    FakeNixl.agents["D-1"].in_flight = False
+    out = _poll(d, lambda o: o.failed_recving or o.finished_recving, tick=p)
+    assert "lease ran out during the read" in out.failed_recving["r"] and out.finished_recving == []
 
 
 def test_handshake_with_a_restarted_engine_fails_the_load(pair: Any) -> None:

@@ -55,6 +55,7 @@ class _Pending:
     t0: float = 0.0
     deadline: float = 0.0
     cancelled: bool = False
+    lease_lost: bool = False  # the prefill engine let the lease run out while this read was in flight
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -95,6 +96,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._hb_interval = max(0.2, config.kv_lease_seconds / 6)
         self._heartbeat_ids: dict[str, RemoteEngine] = {}  # guarded by _lock
         self._expired: set[str] = set()  # guarded by _lock
+        # remote request id -> local monotonic time until which its lease is known to hold: a heartbeat
+        # sent at t extends it to at least t + 2/3 of the lease on the prefill engine. Guarded by _lock.
+        self._lease_until: dict[str, float] = {}
+        self._hb_asked = False  # an immediate heartbeat is queued for reads waiting on a confirmed lease
         self._arrived: dict[str, RemotePrefill] = {}  # guarded by _lock: seen by the input thread only
         self._ctrl_thread.start()
 
@@ -280,6 +285,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                 and time.monotonic() < p.deadline + self.config.kv_lease_seconds + 10:
             return  # NIXL could not cancel it: keep the blocks until the reclaim deadline
         del self._pending[rid]
+        with self._lock:
+            self._lease_until.pop(p.rp.remote_request_id, None)
         n = len(p.load.local_block_ids) if p.load is not None and error is None else 0
         self._release(p, n)
         if error is None:
@@ -297,27 +304,40 @@ class NixlConnectorWorker(KVConnectorWorker):
         now = time.monotonic()
         with self._lock:
             expired, self._expired = self._expired, set()
+        # A read is posted only while its lease is known to hold for another heartbeat interval, so that
+        # the prefill engine cannot free (and reuse) the blocks between our last heartbeat and the read.
+        margin = self._hb_interval
+        ask_heartbeat = False
         for p in list(self._pending.values()):
+            if p.rp.remote_request_id in expired and p.handle is not None:
+                p.lease_lost = True
             if p.load is None:
                 continue
             if p.handle is None:
                 with self._lock:
                     state = self._peers.get(p.rp.remote.engine_id)
+                    confirmed = self._lease_until.get(p.rp.remote_request_id, 0.0) > now + margin
                 if p.rp.remote_request_id in expired:
                     # Never read blocks the prefill engine may already have reused.
                     self._finish(p, "the prefill engine's lease ran out before the read")
                 elif state is not None and state.error is not None:
                     self._finish(p, state.error)
-                elif state is not None and state.peer is not None:
+                elif state is not None and state.peer is not None and confirmed:
                     p.t0 = now
                     self._post_read(p, state.peer)
                 elif now > p.deadline:
-                    self._finish(p, "KV handshake timed out")
+                    self._finish(p, "KV handshake timed out" if state is None or state.peer is None
+                                 else "the prefill engine did not confirm the lease")
+                elif state is not None and state.peer is not None:
+                    ask_heartbeat = True
                 continue
             if not poll:
                 continue
             status = self.nixl.check(p.handle)
-            if status == "DONE":
+            if status == "DONE" and p.lease_lost:
+                # The bytes may come from blocks that were freed and reused under the read: never use them.
+                self._finish(p, "the prefill engine's lease ran out during the read")
+            elif status == "DONE":
                 self._finish(p, None)
             elif status == "ERR":
                 self._peer_failed(p.rp.remote, "NIXL read failed")
@@ -327,6 +347,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         with self._lock:
             # Read by the control thread, which heartbeats on its own timer even through long steps.
             self._heartbeat_ids = {p.rp.remote_request_id: p.rp.remote for p in self._pending.values()}
+            self._lease_until = {rid: t for rid, t in self._lease_until.items() if t > now}
+            ask_heartbeat, self._hb_asked = ask_heartbeat and not self._hb_asked, self._hb_asked or ask_heartbeat
+        if ask_heartbeat:
+            self._ctrl.put(self._send_heartbeats)
 
     def get_finished(self) -> KVConnectorOutput:
         if self._server is not None:
@@ -351,16 +375,25 @@ class NixlConnectorWorker(KVConnectorWorker):
         by_remote: dict[RemoteEngine, list[str]] = {}
         for rid, remote in items:
             by_remote.setdefault(remote, []).append(rid)
+        with self._lock:
+            asked, self._hb_asked = self._hb_asked, False
         for remote, ids in by_remote.items():
+            sent = time.monotonic()
             try:
                 reply = side_channel.call(remote.address, {"op": "heartbeat", "ids": ids}, timeout_s=2.0)
             except side_channel.SideChannelError as e:
                 logger.warning("[lease] heartbeat to %s failed: %s", remote.engine_id, e)
                 continue
-            if reply.get("expired"):
-                logger.warning("[lease] %s no longer holds %s", remote.engine_id, reply["expired"])
-                with self._lock:
-                    self._expired.update(reply["expired"])
+            gone = set(reply.get("expired") or ())
+            with self._lock:
+                for rid in ids:
+                    if rid not in gone:
+                        until = sent + self.config.kv_lease_seconds * 2 / 3
+                        self._lease_until[rid] = max(self._lease_until.get(rid, 0.0), until)
+                self._expired.update(gone)
+            if gone:
+                logger.warning("[lease] %s no longer holds %s", remote.engine_id, sorted(gone))
+            if gone or asked:
                 self._wakeup()
 
     @property
