@@ -28,6 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "workers")]
 from tandem_engine.config import EngineConfig  # noqa: E402
 from tandem_engine.kv_transfer.interface import KVConnectorMetadata, LoadSpec, RemotePrefill  # noqa: E402
 from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker  # noqa: E402
+from tandem_router.bench.stats import percentile  # noqa: E402
 
 LAYERS, BS, HEADS, DIM = 30, 16, 3, 64
 POLL_S = 0.0005
@@ -53,11 +54,6 @@ def prefill_proc(port: int, num_blocks: int, ready: Any, done: Any) -> None:
     ready.put(kv[:, :, :8].sum().item())
     done.get()
     w.shutdown()
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
@@ -136,7 +132,7 @@ def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
         d.shutdown()
 
     def gbps(ts: list[float]) -> dict[str, float]:  # p99 of the time is the slow tail: the low bandwidth
-        return {"median": nbytes / statistics.median(ts) / 1e9, "p99": nbytes / _pct(ts, 0.99) / 1e9}
+        return {"median": nbytes / statistics.median(ts) / 1e9, "p99": nbytes / percentile(ts, 99) / 1e9}
 
     out: dict[str, Any] = {"blocks": blocks, "bytes": nbytes, "runs": runs, "threads": threads,
                            "nixl_gbps": {k: gbps(v) for k, v in nixl_t.items()},

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from tandem_engine.models import packed_linear
+from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+
 MODEL = "smollm2-135m-instruct"
 
 
@@ -53,8 +56,6 @@ def _time(fn: Any, min_s: float = 0.4) -> float:
 def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool, packed: bool = False) -> float:
     """GFLOP/s of one layer's projections (and the LM head) for m tokens: weights as `nn.Linear` holds them,
     or (`packed`) reordered once into oneDNN's blocked layout, as tandem's model runner does."""
-    from tandem_engine.models import packed_linear
-
     layer, lm, _ = shapes(cfg)
     mats = [(o, k) for o, k in layer] + ([lm] if head else [])
     ws = [torch.randn(o, k, dtype=dtype) for o, k in mats]
@@ -90,9 +91,6 @@ def int8_rate(cfg: Any, m: int) -> float | None:
 
 def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 2048,
             dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
-    from tandem_engine.models import packed_linear
-    from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
-
     cfg, _, _ = load_config_and_tokenizer(resolve_model(MODEL))
     prompt_f, decode_f = flops_per_token(cfg)
     prompt_tokens, out_tokens = batch * input_len, batch * output_len

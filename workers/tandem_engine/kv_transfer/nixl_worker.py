@@ -348,7 +348,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             # Read by the control thread, which heartbeats on its own timer even through long steps.
             self._heartbeat_ids = {p.rp.remote_request_id: p.rp.remote for p in self._pending.values()}
             self._lease_until = {rid: t for rid, t in self._lease_until.items() if t > now}
-            ask_heartbeat, self._hb_asked = ask_heartbeat and not self._hb_asked, self._hb_asked or ask_heartbeat
+            ask_heartbeat = ask_heartbeat and not self._hb_asked  # one queued request is enough
+            self._hb_asked = self._hb_asked or ask_heartbeat
         if ask_heartbeat:
             self._ctrl.put(self._send_heartbeats)
 
