@@ -21,6 +21,9 @@ from tandem_operator.spec import InferenceServiceSpec, RoleSpec
 PRESTOP_SECONDS = 5  # long enough for endpoint removal to reach the router before SIGTERM
 RUN_AS = 10001
 ENGINE_CONTAINER = "engine"
+# The engine's env var for its CPU limit in millicores (tandem_engine.cpu_budget.CPU_LIMIT_ENV; the operator
+# never imports the engine, a test checks the two agree).
+CPU_LIMIT_ENV = "TANDEM_CPU_LIMIT_MILLICORES"
 ROUTER_CONTAINER = "router"
 
 
@@ -110,6 +113,10 @@ def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": "/cache/huggingface"},
         {"name": "XDG_CACHE_HOME", "value": "/cache"},
         {"name": "TANDEM_SERVED_MODEL_NAME", "value": spec.model.served_name},
+        # The engine sizes its thread pool from this when the pod's cgroup quota is not visible to it
+        # (os.cpu_count() sees the node). Without a CPU limit Kubernetes passes the node's allocatable.
+        {"name": CPU_LIMIT_ENV, "valueFrom": {"resourceFieldRef": {
+            "containerName": ENGINE_CONTAINER, "resource": "limits.cpu", "divisor": "1m"}}},
     ]
     kv = spec.kv_transfer
     if spec.disaggregated and kv is not None:

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tandem_router.local_stack import child_preexec
+
 TANDEM = Path(sys.executable).parent / "tandem"
 MODEL = "smollm2-135m-instruct"
 
@@ -61,18 +63,26 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeou
 
 
 @contextmanager
-def run_server(args: list[str], log_dir: Path, timeout_s: float = 180.0) -> Iterator[Server]:
-    port = free_port()
-    log_path = log_dir / f"serve-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+def run_server(args: list[str], log_dir: Path, timeout_s: float = 180.0,
+               cpus: list[int] | None = None) -> Iterator[Server]:
+    server = launch(log_dir, args, cpus=cpus)
+    proc, log_path = server.proc, server.log_path
     try:
         wait_healthy(server.url, proc, log_path, timeout_s)
         yield server
     finally:
         stop(proc)
+
+
+def launch(log_dir: Path, args: list[str], port: int | None = None, cpus: list[int] | None = None) -> Server:
+    """Start `tandem serve` (not waiting for it), pinned to `cpus` when several engines share the machine."""
+    port = port or free_port()
+    log_path = log_dir / f"serve-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=child_preexec(cpus, die_with_parent=False))
+    return Server(f"http://127.0.0.1:{port}", proc, log_path)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:

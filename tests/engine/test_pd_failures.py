@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem_router.local_stack import split_cpus
 from tests.engine.engine_server import Server, stop, wait_healthy
 from tests.engine.test_pd_proxy import completion, freeze, idle, kill, launch, prefill, start_pair, wait_for
 
@@ -30,7 +31,7 @@ class Pair:
     def restart_prefill(self) -> None:
         """A new prefill process on the same HTTP port and side-channel port (a pod restart)."""
         port = int(self.p.url.rsplit(":", 1)[1])
-        self.p = launch(self.log_dir, self.p_args, port=port)
+        self.p = launch(self.log_dir, self.p_args, port=port, cpus=split_cpus(2)[0])
         wait_healthy(self.p.url, self.p.proc, self.p.log_path, 300)
 
 

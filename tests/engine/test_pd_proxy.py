@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 
 import httpx
 
-from tests.engine.engine_server import TANDEM, Server, free_port, wait_healthy
+from tandem_router.local_stack import split_cpus
+from tests.engine.engine_server import Server, free_port, launch, wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 
@@ -72,18 +72,14 @@ def start_pair(log_dir: Path, lease_s: float, decode_args: list[str] | None = No
                prefill_args: list[str] | None = None) -> tuple[Server, Server]:
     """Start a prefill and a decode `tandem serve` at once (start-up dominates these tests)."""
     servers = []
-    for role, extra in (("prefill", prefill_args or []), ("decode", decode_args or [])):
+    shares = split_cpus(2)
+    for i, (role, extra) in enumerate((("prefill", prefill_args or []), ("decode", decode_args or []))):
         servers.append(launch(log_dir, ["--role", role, "--kv-side-channel-port", str(free_port()),
-                                        "--kv-lease-seconds", str(lease_s), "--max-num-seqs", "16", *extra]))
+                                        "--kv-lease-seconds", str(lease_s), "--max-num-seqs", "16", *extra],
+                              cpus=shares[i]))
     for s in servers:
         wait_healthy(s.url, s.proc, s.log_path, 300)
     return servers[0], servers[1]
 
 
-def launch(log_dir: Path, args: list[str], port: int | None = None) -> Server:
-    port = port or free_port()
-    log_path = log_dir / f"serve-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return Server(f"http://127.0.0.1:{port}", proc, log_path)
+

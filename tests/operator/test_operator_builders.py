@@ -275,3 +275,17 @@ def test_spec_errors_are_collected() -> None:
         assert needle in text
     with pytest.raises(SpecError):
         parse_spec({"metadata": {"name": "x"}})
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_engine_pods_pass_their_cpu_limit_to_the_engine(role: Role) -> None:
+    """os.cpu_count() in a pod sees the node: the engine reads its CPU limit from the downward API."""
+    from tandem_engine.cpu_budget import CPU_LIMIT_ENV, env_limit
+
+    (container,) = build_engine_deployment(parse_spec(body()), role, "h")["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == CPU_LIMIT_ENV]
+    ref = env["valueFrom"]["resourceFieldRef"]
+    assert ref == {"containerName": container["name"], "resource": "limits.cpu", "divisor": "1m"}
+    # What the kubelet writes for `limits: {cpu: 1500m}` with that divisor, read as the engine reads it.
+    limit = env_limit({CPU_LIMIT_ENV: "1500"})
+    assert limit is not None and limit.cpus == 1.5

@@ -12,24 +12,27 @@ from pathlib import Path
 import httpx
 from tests.router.utils import REPO
 
+from tandem_router.local_stack import child_preexec
+
 MODEL = "smollm2-135m-instruct"
 TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
-# One thread each: the CI machine has two cores and the tests run two engines.
-ENGINE_ARGS = ["--num-threads", "1", "--max-model-len", "2048"]
+# Thread counts come from each engine's CPU share: `tandem up` and `start_engine(cpus=...)` pin engines.
+ENGINE_ARGS = ["--max-model-len", "2048"]
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(argv: list[str], log: Path, cpus: list[int] | None = None) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen([*TANDEM, *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([*TANDEM, *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=child_preexec(cpus, die_with_parent=False))
 
 
 def start_engine(
-    port: int, log: Path, role: str | None = None, extra: list[str] | None = None
+    port: int, log: Path, role: str | None = None, extra: list[str] | None = None, cpus: list[int] | None = None
 ) -> subprocess.Popen[bytes]:
     argv = ["serve", "--model", MODEL, "--port", str(port), *ENGINE_ARGS, *(extra or [])]
     if role:
         argv += ["--role", role]
-    return start(argv, log)
+    return start(argv, log, cpus)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300.0) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
+
+from tandem_engine.cpu_budget import ThreadPlan, plan_threads
 
 Role = Literal["both", "prefill", "decode"]
 
@@ -27,7 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # Parallel
     data_parallel_size: int = 1
-    num_threads: int | None = None  # torch threads per EngineCore; None: all cores / DP size
+    num_threads: int | None = None  # torch threads per EngineCore; None: the CPUs we may use / DP size
     # KV transfer (P/D)
     kv_side_channel_port: int = 5600
     kv_host: str = "127.0.0.1"
@@ -43,7 +44,6 @@ class EngineConfig:
     def served_name(self) -> str:
         return self.served_model_name or self.model
 
-    def threads_per_engine(self) -> int:
-        if self.num_threads:
-            return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.data_parallel_size)
+    def thread_plan(self) -> ThreadPlan:
+        """Intra-op threads per EngineCore, from the CPUs this process may use (docs/operations.md)."""
+        return plan_threads(self.data_parallel_size, self.num_threads)

@@ -2,7 +2,9 @@
 
 Children run in their own session so that Ctrl-C reaches only this supervisor, which then stops them in
 order (router first, so no new requests reach a stopping engine). They also get SIGTERM if the
-supervisor dies (PR_SET_PDEATHSIG), so no engine outlives a killed `tandem up`. A child that dies
+supervisor dies (PR_SET_PDEATHSIG), so no engine outlives a killed `tandem up`. Each engine is pinned to
+its own share of the CPUs (as pods with their own cores would be), so engines never fight over a core
+and each sizes its thread pool to its share; the router may run anywhere. A child that dies
 after start-up is restarted on the same port, as Kubernetes restarts a pod; the router ejects the
 engine meanwhile and re-admits it when its /health answers again.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import shlex
 import signal
 import socket
@@ -19,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -37,6 +41,34 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: Ctrl-C handling still stops the children
         pass
+
+
+def split_cpus(n: int, available: set[int] | None = None) -> list[list[int]]:
+    """Disjoint CPU shares for n engines, sizes differing by at most one. With more engines than CPUs
+    the shares wrap around (overlap cannot be avoided then, but it stays even)."""
+    cpus = sorted(available if available is not None else os.sched_getaffinity(0))
+    if n <= 0:
+        return []
+    if n >= len(cpus):
+        return [[cpus[i % len(cpus)]] for i in range(n)]
+    base, extra = divmod(len(cpus), n)
+    shares, start = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        shares.append(cpus[start:start + size])
+        start += size
+    return shares
+
+
+def child_preexec(cpus: list[int] | None, die_with_parent: bool = True) -> Callable[[], None]:
+    """A Popen `preexec_fn`: pin the child to `cpus` and (by default) let it die with its parent."""
+    def setup() -> None:
+        if die_with_parent:
+            _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def free_port(host: str) -> int:
@@ -70,6 +102,7 @@ class Child:
     argv: list[str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    cpus: list[int] | None = None  # CPU affinity; None: inherit
     started: float = 0.0
     ready: bool = False
     restarts: int = 0
@@ -83,7 +116,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=child_preexec(self.cpus),
             )
         self.started = time.monotonic()
         self.ready = False
@@ -202,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="prefix-aware")
     p.add_argument("--log-dir", default="logs")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each engine a disjoint share of this process's CPUs (affinity), as pods "
+                        "with their own cores; each engine sizes its threads to its share")
     p.add_argument("--engine-args", default="", help="extra `tandem serve` arguments, one shell-quoted string")
     p.add_argument("--router-args", default="", help="extra `tandem route` arguments")
     # For tests: the engine program (anything taking `tandem serve`'s flags).
@@ -237,6 +273,9 @@ def main(argv: list[str]) -> int:
             if n_prefill:
                 argv_e += ["--role", role, "--kv-side-channel-port", str(free_port(host))]
             engines.append(Child(f"{role}-{i}", f"http://{host}:{port}", argv_e, logs / f"{role}-{i}.log"))
+    if a.pin_cpus:
+        for c, share in zip(engines, split_cpus(len(engines)), strict=True):
+            c.cpus = share
     decode_urls = ",".join(c.url for c in engines if not c.name.startswith("prefill"))
     prefill_urls = ",".join(c.url for c in engines if c.name.startswith("prefill"))
     router_argv = [
@@ -267,7 +306,8 @@ def main(argv: list[str]) -> int:
     try:
         for c in engines:
             c.start()
-            say(f"starting {c.name} on {c.url} (pid {c.proc.pid if c.proc else '?'}, log {c.log})")
+            pinned = f", CPUs {','.join(map(str, c.cpus))}" if c.cpus else ""
+            say(f"starting {c.name} on {c.url} (pid {c.proc.pid if c.proc else '?'}, log {c.log}{pinned})")
         if not stack.wait_ready(engines):
             code = 0 if stack.stopping else 1
             return code

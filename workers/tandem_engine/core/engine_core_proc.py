@@ -59,7 +59,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAd
         pass
     import torch
 
-    torch.set_num_threads(config.threads_per_engine())
+    torch.set_num_threads(config.thread_plan().threads)
     ctx = zmq.Context(io_threads=2)
     handshake = ctx.socket(zmq.DEALER)
     handshake.setsockopt(zmq.LINGER, 5000)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,10 +23,16 @@ logger = logging.getLogger(__name__)
 
 class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig) -> None:
+        # Decide the EngineCores' thread count here, once, so the log and the metric say what they use.
+        self.thread_plan = config.thread_plan()
+        config = dataclasses.replace(config, num_threads=self.thread_plan.threads)
+        logger.info("[startup] %d intra-op thread(s) per EngineCore: %s", self.thread_plan.threads,
+                    self.thread_plan.reason)
         self.config = config
         self.src = resolve_model(config.model)
         self.model_name = config.served_model_name or self.src.served_name
         self.metrics = EngineMetrics(self.model_name)
+        self.metrics.record_thread_plan(self.thread_plan)
         self.core = CoreClient(config, self._on_outputs, self._on_dead)
         self.max_model_len = 0
         self._dead: BaseException | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from tandem_engine.cpu_budget import ThreadPlan
 from tandem_engine.protocol import SchedulerStats
 
 # `_created` series double the scrape size and no vLLM dashboard reads them.
@@ -50,6 +51,9 @@ class EngineMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_held = Gauge("tandem:kv_blocks_held_for_transfer", "Blocks held for decode engines to read",
                              lbl, registry=r)
+        self.threads = Gauge("tandem:engine_threads", "Intra-op threads per EngineCore, and the CPU limit "
+                             "that decided it (source: affinity, cgroup quota, downward API or --num-threads)",
+                             [*lbl, "source", "cpus"], registry=r)
         self._per_engine: dict[int, SchedulerStats] = {}
         # Publish every unlabelled-by-reason series at 0 from the start, so a fresh /metrics is complete.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
@@ -57,6 +61,11 @@ class EngineMetrics:
                        self.queue_time, self.kv_sent, self.kv_received, self.kv_failures, self.kv_seconds,
                        self.kv_held):
             metric.labels(model_name)
+
+    def record_thread_plan(self, plan: ThreadPlan) -> None:
+        source = plan.limit.source if plan.limit else "--num-threads"
+        cpus = f"{plan.limit.cpus:g}" if plan.limit else ""
+        self.threads.labels(self.model_name, source, cpus).set(plan.threads)
 
     def record_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         m = self.model_name
