@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: help setup run test bench lint typecheck
+.PHONY: help setup tools cluster run test bench lint typecheck
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -27,10 +27,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --ignore-requires-python helm-sdkpy==0.1.32
 	touch $@
 
+tools: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, helm from Go modules (cached)
+	hack/build-tools.sh
+
+cluster: setup tools ## a local Kubernetes control plane + test node agent in the foreground (Ctrl-C stops it)
+	$(PY) -m tests.k8s.cluster
+
 run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/tandem up --model $(MODEL) --port $(PORT)
 
-test: setup ## run the whole test suite
+test: setup tools ## run the whole test suite (the first run builds the Kubernetes tools: ~20 min)
 	$(VENV)/bin/pytest -q
 
 bench: setup ## run the benchmarks, results land in bench/results/

@@ -1,0 +1,1 @@
+"""A real Kubernetes control plane and a test node agent for end-to-end tests (see cluster.py)."""

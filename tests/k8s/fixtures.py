@@ -1,0 +1,47 @@
+"""The session-scoped `k8s_cluster` fixture, registered for the whole suite by tests/conftest.py.
+
+Imports of the cluster code happen inside the fixture, so a suite run that asks for no cluster needs
+neither the Kubernetes binaries nor root.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tests.k8s.cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+# A cold build of the Kubernetes binaries takes tens of minutes on 2 cores: more than one test's timeout.
+BUILD_TIMEOUT_S = 3600
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = next((i for i in items if "k8s_cluster" in getattr(i, "fixturenames", ())), None)
+    if first is None:
+        return
+    built = subprocess.run(["bash", str(REPO / "hack" / "build-tools.sh"), "--print"], capture_output=True)
+    if built.returncode != 0:
+        # The session fixture builds them during the setup of the first test that needs it.
+        first.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S))
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from tests.k8s.cluster import Cluster, build_tools, preflight
+
+    problem = preflight()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    cluster = Cluster(tmp_path_factory.mktemp("k8s"), build_tools()).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    leftovers = cluster.leftovers()
+    assert not leftovers, f"the test cluster left behind: {leftovers}"
