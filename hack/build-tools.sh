@@ -3,6 +3,7 @@
 #
 #   hack/build-tools.sh          build what is missing, print the folder holding the binaries
 #   hack/build-tools.sh --print  print that folder only (exit 1 if a binary is missing)
+#   hack/build-tools.sh kwok     also kwok (fake nodes and Ready pods for scale benchmarks; not for tests)
 #
 # Everything comes from the Go module proxy through hack/k8s-tools/go.mod (versions and checksums
 # pinned there); nothing prebuilt is downloaded. Binaries land in a cache outside the repository keyed
@@ -13,6 +14,7 @@ set -euo pipefail
 K8S_VERSION=v1.37.2
 ETCD_VERSION=v3.7.3
 HELM_VERSION=v4.3.2
+KWOK_VERSION=v0.8.0
 
 here="$(cd "$(dirname "$0")" && pwd)"
 module="$here/k8s-tools"
@@ -29,6 +31,11 @@ declare -A packages=(
   [helm]=helm.sh/helm/v4/cmd/helm
 )
 order=(kubectl helm etcd kube-scheduler kube-controller-manager kube-apiserver)
+with_kwok=false
+if [[ "${1:-}" == "kwok" ]]; then
+  with_kwok=true
+  shift
+fi
 
 missing=()
 for name in "${order[@]}"; do
@@ -39,7 +46,18 @@ if [[ "${1:-}" == "--print" ]]; then
   echo "$bin"
   exit 0
 fi
+build_kwok() {
+  # kwok's go.mod has no replace lines, so `go install module@version` works (its sum is checked against
+  # the checksum database). Its stage files (pod-ready, node-initialize) ship in the module.
+  [[ -x "$bin/kwok" ]] && return
+  echo "[tools] kwok <- sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" >&2
+  local start=$SECONDS
+  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$bin" go install -trimpath -ldflags "-s -w" \
+    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  echo "[tools] kwok done in $((SECONDS - start)) s" >&2
+}
 if [[ ${#missing[@]} -eq 0 ]]; then
+  $with_kwok && build_kwok
   echo "$bin"
   exit 0
 fi
@@ -80,4 +98,5 @@ for name in "${order[@]}"; do
   echo "[tools] ($i/$total) $name done in $((SECONDS - start)) s" >&2
 done
 echo "[tools] all built in $((SECONDS - start_all)) s" >&2
+$with_kwok && build_kwok
 echo "$bin"

@@ -62,12 +62,16 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
 
 
 def engine_command(spec: InferenceServiceSpec, role: Role) -> list[str]:
+    # Decode engines reach a prefill engine's side channel at the address it advertises in
+    # kv_transfer_params: the pod's own IP (the kubelet expands $(POD_IP) from the container's env).
+    kv_host = ["--kv-host", "$(POD_IP)"] if spec.disaggregated else []
     return [
         "tandem",
         "serve",
         *shared_engine_args(spec),
         "--role",
         engine_role_flag(spec, role),
+        *kv_host,
         *spec.engine.extra_args,
     ]
 

@@ -13,6 +13,7 @@ from tandem_engine.cpu_budget import (
     cgroup_v2_limit,
     cpu_limits,
     env_limit,
+    openmp_env,
     plan_threads,
 )
 
@@ -124,3 +125,9 @@ def test_this_machine(tmp_path: Path) -> None:
     """The real machine's files parse: whatever they say, at least one thread and a reason."""
     plan = plan_threads()
     assert plan.threads >= 1 and "CPUs from" in plan.reason
+
+
+def test_openmp_waits_passively_unless_the_user_chose() -> None:
+    assert openmp_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert openmp_env({"GOMP_SPINCOUNT": "0"}) == {}

@@ -136,10 +136,9 @@ def test_prefill_and_decode_cannot_disagree() -> None:
     shared = shared_engine_args(spec)
     assert prefill[:2] == decode[:2] == ["tandem", "serve"]
     assert prefill[2 : 2 + len(shared)] == decode[2 : 2 + len(shared)] == shared
-    assert prefill[2 + len(shared) :] == ["--role", "prefill"] and decode[2 + len(shared) :] == [
-        "--role",
-        "decode",
-    ]
+    pod_ip = ["--kv-host", "$(POD_IP)"]
+    assert prefill[2 + len(shared) :] == ["--role", "prefill", *pod_ip]
+    assert decode[2 + len(shared) :] == ["--role", "decode", *pod_ip]
     assert shared == [
         "--model",
         "smollm2-135m-instruct",
@@ -178,6 +177,17 @@ def test_startup_budget_and_colocated_role() -> None:
     assert dep["spec"]["progressDeadlineSeconds"] > 7200
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--role") + 1] == "both" and "--kv-side-channel-port" not in args
+    assert "--kv-host" not in args
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_disaggregated_engines_advertise_their_pod_ip_for_kv_transfer(role: Role) -> None:
+    (container,) = build_engine_deployment(parse_spec(body()), role, "h")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--kv-host") + 1] == "$(POD_IP)"
+    # $(POD_IP) expands only if the variable is defined in the container's env.
+    (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
 def test_router_command_lines() -> None:

@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CPU_LIMIT_ENV = "TANDEM_CPU_LIMIT_MILLICORES"
+# libgomp (torch's OpenMP) spins 300,000 iterations at every barrier before it sleeps: a thread whose
+# peer was descheduled by another process burns its whole time slice. Two busy engines on two cores took
+# 9x one engine's time with that, 2.8x with a 10,000 spin and 1.45x with passive waiting, which costs one
+# engine alone ~10% (bench/results/cpu_sharing.md): an engine cannot know who shares its cores, so wait
+# passively unless the user says otherwise.
+OMP_WAIT_POLICY = "PASSIVE"
 # Where cgroup v1 mounts the cpu controller, by distribution.
 _V1_MOUNTS = ("cpu,cpuacct", "cpuacct,cpu", "cpu")
 
@@ -148,6 +154,15 @@ def cpu_limits(root: Path = Path("/"), env: Mapping[str, str] | None = None,
         if found is not None:
             limits.append(found)
     return limits
+
+
+def openmp_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What to add to an EngineCore's environment before torch loads libgomp; a user's own
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
+    env = os.environ if env is None else env
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
 
 
 def plan_threads(data_parallel_size: int = 1, override: int | None = None,

@@ -103,6 +103,7 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     cpus: list[int] | None = None  # CPU affinity; None: inherit
+    env: dict[str, str] | None = None  # added to this process's environment
     started: float = 0.0
     ready: bool = False
     restarts: int = 0
@@ -117,9 +118,21 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=child_preexec(self.cpus),
+                env={**os.environ, **self.env} if self.env else None,
             )
         self.started = time.monotonic()
         self.ready = False
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            say(f"{self.name} did not stop in {timeout:.0f}s; killing it")
+            self.proc.kill()
+            self.proc.wait()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

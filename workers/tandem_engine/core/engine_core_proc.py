@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from tandem_engine.config import EngineConfig
+from tandem_engine.cpu_budget import openmp_env
 from tandem_engine.protocol import (
     EngineCoreOutputs,
     FailedMessage,
@@ -57,6 +58,8 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAd
         setproctitle.setproctitle(f"tandem::EngineCore_{engine_index}")
     except ImportError:
         pass
+    # libgomp reads its environment once, when torch loads it.
+    os.environ.update(openmp_env())
     import torch
 
     torch.set_num_threads(config.thread_plan().threads)
