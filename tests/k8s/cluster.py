@@ -42,10 +42,10 @@ def preflight() -> str | None:
     return None
 
 
-def build_tools() -> Path:
+def build_tools(with_kwok: bool = False) -> Path:
     """hack/build-tools.sh: a no-op once built, tens of minutes the first time; prints the bin dir last."""
-    out = subprocess.run(["bash", str(REPO / "hack" / "build-tools.sh")], stdout=subprocess.PIPE, text=True,
-                         check=True)
+    argv = ["bash", str(REPO / "hack" / "build-tools.sh"), *(["kwok"] if with_kwok else [])]
+    out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
 

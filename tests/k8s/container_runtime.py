@@ -29,20 +29,42 @@ UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
 
 # $1 hostname, $2 default working dir (entered before mounting, so a volume mounted over one of its parents
-# does not hide it), $3 the container's workingDir or "" (entered after, as it may be in a volume), then
-# (source, target, rw|ro) triples, then --, then the command.
+# does not hide it), $3 the container's workingDir or "" (entered after, as it may be in a volume), $4 STAGE, then
+# (source, target, rw|ro) triples, then --, then the command. Every source is first bound into a private
+# tmpfs at STAGE, then bound at its target: a volume mounted at /tmp must not hide the sources of the
+# volumes after it, which the agent keeps under its work dir (often below /tmp).
+STAGE = "/run/tandem-node-stage"
 _MOUNT_AND_EXEC = r"""
 set -e
 hostname "$1"
 cd "$2"
 wd=$3
-shift 3
+stage=$4
+shift 4
+mount -t tmpfs -o size=1m tandem-stage "$stage"
+# Pass 1: bind each source into the stage; queue (staged source, target, mode) after the command.
+set -- "$@" --end--
+i=0
+while [ "$1" != -- ]; do
+  i=$((i + 1))
+  if [ -d "$1" ]; then mkdir "$stage/$i"; else touch "$stage/$i"; fi
+  mount --bind "$1" "$stage/$i"
+  set -- "$@" "$stage/$i" "$2" "$3"
+  shift 3
+done
+set -- "$@" --
+shift
+# Rotate the command behind the queued triples: staged triples -- command.
+while [ "$1" != --end-- ]; do set -- "$@" "$1"; shift; done
+shift
+# Pass 2: bind each staged source at its target, in the pod spec's order.
 while [ "$1" != -- ]; do
   mount --bind "$1" "$2"
   if [ "$3" = ro ]; then mount -o remount,bind,ro "$2"; fi
   shift 3
 done
 shift
+umount -l "$stage"
 if [ -n "$wd" ]; then mkdir -p "$wd" && cd "$wd"; fi
 exec "$@"
 """
@@ -86,11 +108,12 @@ def start(
 ) -> subprocess.Popen[bytes]:
     """Starts the container; the repository's virtualenv must stay visible, so no mountPath may cover it."""
     triples: list[str] = []
+    mount_points.ensure(Path(STAGE), is_file=False)
     for mount in mounts:
         mount_points.ensure(Path(mount.target), is_file=mount.source.is_file())
         triples += [str(mount.source), mount.target, "ro" if mount.read_only else "rw"]
     wrapper = [IP, "netns", "exec", netns, UNSHARE, "--uts", "--", "sh", "-c", _MOUNT_AND_EXEC, "sh",
-               hostname, default_dir, working_dir, *triples, "--", *argv]
+               hostname, default_dir, working_dir, STAGE, *triples, "--", *argv]
     with open(log_path, "ab") as log:
         log.write(f"--- {time.strftime('%H:%M:%S')} start: {list(argv)}\n".encode())
     return process.spawn(wrapper, log_path, env=env)

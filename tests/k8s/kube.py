@@ -51,6 +51,18 @@ class Kube:
     def get(self, path: str, **query: Any) -> dict[str, Any]:
         return self.request("GET", path, query=query)
 
+    def get_or_none(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.get(path)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def text(self, path: str) -> str:
+        """A non-JSON endpoint, e.g. /metrics."""
+        return str(self._send("GET", path, None, None, "application/json", 30.0).read().decode())
+
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("POST", path, body)
 
