@@ -188,10 +188,12 @@ def downward_pod(name: str, service_account: str) -> dict[str, Any]:
         # The other container sets no limit: kubelet reports the node's allocatable CPU, in whole cores.
         {"name": "CPU_LIMIT_DEFAULT", "valueFrom": resource("limits.cpu", container="idle")},
     ]
+    # An emptyDir at /tmp, as our pods have: it must not hide the token volume's source (kept under /tmp).
     pod = python_pod(name, READ_PODS, restartPolicy="Never", serviceAccountName=service_account, container={
         "env": env,
         "resources": {"limits": {"cpu": "500m", "memory": "256Mi"}, "requests": {"cpu": "250m", "memory": "128Mi"}},
-    })
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }, volumes=[{"name": "tmp", "emptyDir": {}}])
     pod["spec"]["containers"].append({"name": "idle", "image": "ignored", "command": ["true"]})
     return pod
 

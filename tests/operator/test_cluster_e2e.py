@@ -1,0 +1,346 @@
+"""The path users take, on a real control plane (tests/k8s): `kubectl apply -f crds/`, `helm install`,
+`helm test`, then InferenceServices whose pods (run by the test node agent) serve real answers.
+
+Order matters within this module: the CRD and the operator are installed once, then each test uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.engine.engine_server import run_server
+from tests.k8s.cluster import Cluster, eventually
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+REPO = Path(__file__).resolve().parents[2]
+OPERATOR_NS = "tandem-system"
+RELEASE = "tandem"
+OPERATOR_SA = "tandem-operator"  # the chart's full name for release "tandem"
+LABEL_ISVC = "serving.tandem.dev/inferenceservice"
+LABEL_ROLE = "serving.tandem.dev/role"
+# Long enough (> the router's 32-token remote-prefill threshold) that the router sends it prefill -> decode.
+MESSAGES = [{"role": "system", "content": "You are a patient art teacher who answers in short lists. " * 4},
+            {"role": "user", "content": "Name three colours."}]
+
+
+def dockerfile_entrypoints() -> dict[str, list[str]]:
+    """Image repository -> ENTRYPOINT, read from docker/*.Dockerfile: what a container runtime would run
+    for a container that sets no `command` (the chart's operator container)."""
+    out = {}
+    for path in (REPO / "docker").glob("*.Dockerfile"):
+        m = re.search(r"^ENTRYPOINT (\[.*\])$", path.read_text(), re.M)
+        if m:
+            out[f"ghcr.io/tandem-dev/tandem-{path.name.split('.')[0]}"] = json.loads(m.group(1))
+    return out
+
+
+class Env:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
+                    "PATH": f"{cluster.bin_dir}:{os.environ['PATH']}",
+                    "HELM_CACHE_HOME": str(cluster.work_dir / "helm-cache"),
+                    "HELM_CONFIG_HOME": str(cluster.work_dir / "helm-config"),
+                    "HELM_DATA_HOME": str(cluster.work_dir / "helm-data")}
+
+    def run(self, *argv: str, input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), env=self.env, input=input, capture_output=True, text=True, timeout=timeout,
+                              cwd=REPO)
+
+    def kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return self.run("kubectl", *args, input=input)
+
+    def ok(self, *argv: str, input: str | None = None, timeout: float = 300) -> str:
+        out = self.run(*argv, input=input, timeout=timeout)
+        assert out.returncode == 0, f"{' '.join(argv)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+        return out.stdout
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.ok("kubectl", "get", "-o", "json", *args))
+
+    def pods(self, ns: str, name: str, role: str) -> list[dict[str, Any]]:
+        items = self.get("pods", "-n", ns, "-l", f"{LABEL_ISVC}={name},{LABEL_ROLE}={role}")["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def ready_pods(self, ns: str, name: str, role: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods(ns, name, role)
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+
+    def url(self, pod: dict[str, Any]) -> str:
+        (container,) = pod["spec"]["containers"]
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+        return f"http://{pod['status']['podIP']}:{port}"
+
+    def logs(self, ns: str) -> str:
+        agent = self.cluster.agent
+        if agent is None:
+            return ""
+        out = []
+        for p in self.get("pods", "-n", ns)["items"]:
+            out.append(f"--- {p['metadata']['name']}\n{self.cluster.pod_log(ns, p['metadata']['name'])[-3000:]}")
+        return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def env(k8s_cluster: Cluster) -> Iterator[Env]:
+    e = Env(k8s_cluster)
+    if k8s_cluster.agent is not None:
+        k8s_cluster.agent.entrypoints.update(dockerfile_entrypoints())
+    yield e
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def chat(url: str, max_tokens: int = 12) -> str:
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "smollm2-135m-instruct", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+# -- install --------------------------------------------------------------------------------------------
+
+def test_crds_apply_on_the_real_server(env: Env) -> None:
+    out = env.ok("kubectl", "apply", "-f", "crds/")
+    assert "inferenceservices.serving.tandem.dev" in out
+    eventually(lambda: condition(env.get("crd", "inferenceservices.serving.tandem.dev"), "Established")
+               .get("status") == "True", 60, "the CRD never became Established")
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"decode": {"replicas": -1}}, "spec.decode.replicas"),
+    ({"kvTransfer": None}, "kvTransfer (a KV connector) is required when prefill is enabled"),
+    ({"router": {"policy": "Fastest"}}, 'Unsupported value: "Fastest"'),
+], ids=["negative-replicas", "prefill-without-connector", "unknown-policy"])
+def test_invalid_inference_services_are_refused(env: Env, patch: dict[str, Any], message: str) -> None:
+    body = yaml.safe_load((REPO / "crds/examples/disaggregated.yaml").read_text())
+    body["metadata"]["name"] = "invalid"
+    for key, value in patch.items():
+        if value is None:
+            body["spec"].pop(key)
+        else:
+            body["spec"][key] = {**body["spec"].get(key, {}), **value}
+    out = env.kubectl("apply", "-n", "default", "-f", "-", input=yaml.safe_dump(body))
+    print(out.stderr)
+    assert out.returncode != 0
+    assert 'The InferenceService "invalid" is invalid' in out.stderr and message in out.stderr, out.stderr
+    assert env.kubectl("get", "tisvc", "invalid", "-n", "default").returncode != 0
+
+
+def test_helm_install_runs_the_operator_as_a_pod(env: Env) -> None:
+    env.ok("helm", "install", RELEASE, "charts/tandem", "--namespace", OPERATOR_NS, "--create-namespace",
+           "--wait", "--timeout", "300s", timeout=400)
+    pods = env.get("pods", "-n", OPERATOR_NS)["items"]
+    assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running", pods
+    assert pods[0]["spec"]["serviceAccountName"] == OPERATOR_SA
+    out = env.ok("helm", "test", RELEASE, "--namespace", OPERATOR_NS, "--timeout", "120s", timeout=200)
+    assert "Succeeded" in out, out
+
+
+SA = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
+CAN = [
+    ("list", "inferenceservices.serving.tandem.dev", "-A"),
+    ("patch", "inferenceservices.serving.tandem.dev/status", "-n", "team-x"),
+    ("create", "deployments.apps", "-n", "team-x"),
+    ("patch", "deployments.apps", "-n", "team-x"),
+    ("create", "services", "-n", "team-x"),
+    ("create", "configmaps", "-n", "team-x"),
+    ("create", "serviceaccounts", "-n", "team-x"),
+    ("create", "roles.rbac.authorization.k8s.io", "-n", "team-x"),
+    ("create", "rolebindings.rbac.authorization.k8s.io", "-n", "team-x"),
+    ("create", "events", "-n", "team-x"),
+    ("watch", "deployments.apps", "-A"),
+]
+CANNOT = [
+    ("get", "secrets", "-n", "team-x"),
+    ("list", "secrets", "-A"),
+    ("create", "pods", "-n", "team-x"),
+    ("delete", "namespaces"),
+    ("create", "clusterroles.rbac.authorization.k8s.io"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+    ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "nodes"),
+    ("escalate", "roles.rbac.authorization.k8s.io", "-n", "team-x"),
+    ("impersonate", "serviceaccounts", "-n", "team-x"),
+]
+
+
+def test_operator_service_account_can_do_what_reconciling_needs_and_nothing_more(env: Env) -> None:
+    wrong = []
+    for allowed, checks in ((True, CAN), (False, CANNOT)):
+        for verb, resource, *scope in checks:
+            out = env.kubectl("auth", "can-i", verb, resource, *scope, f"--as={SA}")
+            if (out.stdout.strip() == "yes") != allowed:
+                wrong.append(f"can-i {verb} {resource} {' '.join(scope)}: {out.stdout.strip()} (want "
+                             f"{'yes' if allowed else 'no'})")
+    assert not wrong, "\n".join(wrong)
+
+
+# -- serving --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Greedy answers of a local colocated engine, per dtype (the examples use bfloat16 and float32)."""
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        with run_server(["--dtype", dtype, "--max-model-len", "2048"], tmp_path_factory.mktemp("ref")) as s:
+            out[dtype] = chat(s.url)
+    return out
+
+
+def wait_ready(env: Env, ns: str, name: str, timeout: float = 600) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        obj = env.get("tisvc", name, "-n", ns)
+        c = condition(obj, "Ready")
+        ok = c.get("status") == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        return obj if ok else None
+
+    try:
+        return eventually(ready, timeout, f"{name} never became Ready", interval_s=2)  # type: ignore[no-any-return]
+    except AssertionError:
+        print(env.ok("kubectl", "get", "tisvc,deploy,rs,pods,endpointslices", "-n", ns, "-o", "wide"))
+        print(env.logs(ns))
+        print(env.logs(OPERATOR_NS))
+        raise
+
+
+def apply_example(env: Env, example: str, ns: str) -> str:
+    env.ok("kubectl", "create", "namespace", ns)
+    eventually(lambda: env.kubectl("get", "sa/default", "-n", ns).returncode == 0, 60, "no default SA")
+    t0 = time.monotonic()
+    env.ok("kubectl", "apply", "-n", ns, "-f", f"crds/examples/{example}.yaml")
+    return f"{t0}"
+
+
+def test_disaggregated_example_serves_through_the_router(env: Env, reference: dict[str, str]) -> None:
+    ns, name = "pd", "smollm2-pd"
+    apply_example(env, "disaggregated", ns)
+    obj = wait_ready(env, ns, name)
+    kinds = {(i["kind"], i["metadata"]["name"]) for i in env.get(
+        "deploy,rs,svc,cm,sa,role,rolebinding", "-n", ns, "-l", f"{LABEL_ISVC}={name}")["items"]}
+    for role in ("prefill", "decode", "router"):
+        assert ("Deployment", f"{name}-{role}") in kinds, kinds
+        assert any(k == "ReplicaSet" and n.startswith(f"{name}-{role}-") for k, n in kinds), kinds
+    assert obj["status"]["decode"]["ready"].startswith("2"), obj["status"]
+    (router,) = env.ready_pods(ns, name, "router")
+    decodes = env.ready_pods(ns, name, "decode")
+    before = sum(metric(env.url(d), "tandem:kv_transfer_received_blocks_total") for d in decodes)
+    assert chat(env.url(router)) == reference["bfloat16"]
+    after = sum(metric(env.url(d), "tandem:kv_transfer_received_blocks_total") for d in decodes)
+    assert after > before, "the decode engines pulled no KV blocks: the answer did not go prefill -> decode"
+
+
+def test_scaling_decode_adds_a_pod_the_router_discovers(env: Env) -> None:
+    ns, name = "pd", "smollm2-pd"
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", '{"spec":{"decode":{"replicas":1}}}')
+    eventually(lambda: len(env.pods(ns, name, "decode")) == 1, 120, "decode did not scale down to 1")
+    wait_ready(env, ns, name)
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", '{"spec":{"decode":{"replicas":2}}}')
+    eventually(lambda: len(env.ready_pods(ns, name, "decode")) == 2, 400, "the second decode pod never got Ready")
+    obj = wait_ready(env, ns, name)
+    assert obj["status"]["decode"]["ready"] == "2/2", obj["status"]
+    (router,) = env.ready_pods(ns, name, "router")
+    decodes = env.ready_pods(ns, name, "decode")
+    newest = max(decodes, key=lambda p: p["metadata"]["creationTimestamp"])
+    served = lambda: metric(env.url(newest), "vllm:request_success_total")  # noqa: E731
+
+    sent = iter(range(10_000))
+
+    def new_pod_got_traffic() -> bool:
+        # Prompts that share no prefix: the PrefixAware policy would keep sending one prompt to one pod.
+        r = httpx.post(env.url(router) + "/v1/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct", "prompt": f"{next(sent)} green bottles", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        return served() > 0
+
+    eventually(new_pod_got_traffic, 120, "the router never sent a request to the new decode pod", interval_s=0.5)
+
+
+def test_deleting_a_decode_pod_under_load(env: Env) -> None:
+    ns, name = "pd", "smollm2-pd"
+    (router,) = env.ready_pods(ns, name, "router")
+    url = env.url(router)
+    victim = env.ready_pods(ns, name, "decode")[0]["metadata"]["name"]
+    results: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=300, json={
+                "model": "smollm2-135m-instruct", "prompt": f"Count to twenty, run {i}:", "max_tokens": 48,
+                "ignore_eos": True, "temperature": 0})
+            results.append("ok" if r.status_code == 200 else f"error {r.status_code}")
+        except httpx.HTTPError as e:  # an error is acceptable, a hang is not (the timeout would fail)
+            results.append(f"error {type(e).__name__}")
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(one, i) for i in range(6)]
+        time.sleep(3)
+        threading.Thread(target=env.ok, args=("kubectl", "delete", "pod", victim, "-n", ns, "--wait=false"),
+                         daemon=True).start()
+        for f in futures:
+            f.result(timeout=400)
+    assert len(results) == 6, results
+    eventually(lambda: len(env.ready_pods(ns, name, "decode")) == 2 and victim not in
+               [p["metadata"]["name"] for p in env.pods(ns, name, "decode")], 400, "the ReplicaSet did not replace it")
+    for _ in range(3):
+        assert chat(url, max_tokens=4)
+    for role in ("prefill", "decode"):
+        for pod in env.ready_pods(ns, name, role):
+            eventually(lambda p=pod: metric(env.url(p), "vllm:kv_cache_usage_perc") == 0.0, 60,
+                       f"{pod['metadata']['name']} still holds KV blocks")
+    print("in-flight results:", results)
+
+
+def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
+    ns, name = "colo", "smollm2"
+    apply_example(env, "colocated", ns)
+    wait_ready(env, ns, name)
+    assert not env.pods(ns, name, "prefill")
+    (router,) = env.ready_pods(ns, name, "router")
+    assert chat(env.url(router)) == reference["float32"]
+
+
+def test_deleting_the_inference_service_collects_every_child(env: Env) -> None:
+    for ns, name in (("pd", "smollm2-pd"), ("colo", "smollm2")):
+        env.ok("kubectl", "delete", "tisvc", name, "-n", ns, "--wait=true", "--timeout=120s", timeout=200)
+
+        def gone(ns: str = ns, name: str = name) -> bool:
+            left = env.get("deploy,rs,pods,svc,cm,sa,role,rolebinding", "-n", ns, "-l", f"{LABEL_ISVC}={name}")
+            return not left["items"]
+
+        eventually(gone, 180, f"children of {name} remain", interval_s=1)
+
+
+def test_helm_uninstall_leaves_nothing_of_the_operator(env: Env) -> None:
+    env.ok("helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s", timeout=200)
+
+    def gone() -> bool:
+        left = env.get("all,sa,role,rolebinding,cm", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/instance=tandem")
+        cluster = env.get("clusterrole,clusterrolebinding", "-l", "app.kubernetes.io/instance=tandem")
+        return not left["items"] and not cluster["items"]
+
+    eventually(gone, 120, "the operator's objects remain after helm uninstall", interval_s=1)
