@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
 from tests.engine.engine_server import run_server
 from tests.k8s.cluster import Cluster, eventually
 
