@@ -1,0 +1,249 @@
+"""Operator reconcile latency and throughput against a real API server (compare: operator_reconcile.py, KMock).
+
+    .venv/bin/python bench/operator_reconcile_cluster.py [--singles 10] [--count 100]
+
+Starts the test control plane (tests/k8s: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+built by hack/build-tools.sh) and kwok (`hack/build-tools.sh kwok`) with one fake node whose pods kwok marks
+Ready at once, so Deployments become available without running engines. Runs the operator in this process
+(kopf, `tandem operator -A --standalone`, admin credentials, as the KMock benchmark does) and measures:
+  1. a new InferenceService -> all its 10 children exist, and -> Ready=True (one at a time, `--singles`);
+  2. `--count` InferenceServices created at once -> all children exist -> every one Ready=True;
+  3. API writes per InferenceService on the objects the operator writes, from the apiserver's own
+     `apiserver_request_total` (events excluded: the controllers write those too).
+Writes bench/results/operator_reconcile_cluster.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "operator")]
+
+from operator_reconcile import KIDS, body  # noqa: E402
+from tests.k8s.cluster import build_tools  # noqa: E402
+from tests.k8s.controlplane import ControlPlane  # noqa: E402
+from tests.k8s.kube import Kube  # noqa: E402
+
+logger = logging.getLogger(__name__)
+RESULTS = REPO / "bench" / "results"
+NS = "bench"
+ISVC = f"/apis/serving.tandem.dev/v1alpha1/namespaces/{NS}/inferenceservices"
+# What the operator writes (kopf's own patches of the InferenceService included).
+OPERATOR_RESOURCES = {"inferenceservices", "configmaps", "serviceaccounts", "roles", "rolebindings", "services",
+                      "deployments"}
+WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY"}  # apiserver_request_total spells them so
+KWOK_STAGES = ["node/fast/node-initialize.yaml", "pod/general/pod-create.yaml", "pod/general/pod-ready.yaml",
+               "pod/general/pod-complete.yaml", "pod/general/pod-delete.yaml"]
+
+
+def kid_path(resource: str, name: str) -> str:
+    group_version, plural = resource.rsplit("/", 1)
+    prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    return f"{prefix}/namespaces/{NS}/{plural}/{name}"
+
+
+def has_children(kube: Kube, name: str) -> bool:
+    return all(kube.get_or_none(kid_path(res, tmpl.format(n=name))) is not None for res, tmpl in KIDS)
+
+
+def is_ready(kube: Kube, name: str) -> bool:
+    obj = kube.get_or_none(f"{ISVC}/{name}") or {}
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in obj.get("status", {}).get("conditions", []))
+
+
+def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
+    start = time.perf_counter()
+    while not check():
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"not done after {timeout}s")
+        time.sleep(interval)
+    return time.perf_counter() - start
+
+
+def writes(kube: Kube) -> dict[str, float]:
+    """apiserver_request_total of write verbs on the operator's resources, by resource."""
+    out: dict[str, float] = {}
+    for line in kube.text("/metrics").splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+        labels = {k: v.strip('"') for k, v in labels.items()}
+        if labels.get("verb") in WRITE_VERBS and labels.get("resource") in OPERATOR_RESOURCES:
+            key = labels["resource"] + ("/" + labels["subresource"] if labels.get("subresource") else "")
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def start_kwok(bin_dir: Path, kubeconfig: Path, log: Path) -> subprocess.Popen[bytes]:
+    mod = subprocess.run(["go", "mod", "download", "-json", "sigs.k8s.io/kwok@v0.8.0"], capture_output=True,
+                         text=True, check=True, env={**os.environ, "GOTOOLCHAIN": "local"})
+    stages = Path(json.loads(mod.stdout)["Dir"]) / "kustomize" / "stage"
+    argv = [str(bin_dir / "kwok"), f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--cidr=10.250.0.1/16",
+            "--node-ip=10.250.0.1", *[f"-c={stages / s}" for s in KWOK_STAGES]]
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+
+
+FAKE_NODE = {
+    "apiVersion": "v1", "kind": "Node",
+    "metadata": {"name": "kwok-node-0", "annotations": {"kwok.x-k8s.io/node": "fake"},
+                 "labels": {"type": "kwok", "kubernetes.io/hostname": "kwok-node-0"}},
+    "status": {"allocatable": {"cpu": "1000", "memory": "4Ti", "pods": "2000"},
+               "capacity": {"cpu": "1000", "memory": "4Ti", "pods": "2000"}},
+}
+
+
+def run(singles: int, count: int, work: Path) -> dict[str, Any]:
+    from kopf.testing import KopfRunner
+
+    from tandem_operator.cli import kopf_args
+
+    bin_dir = build_tools(with_kwok=True)
+    # The apiserver refuses a loopback advertise address; no pod needs to reach it here (kwok runs none).
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()[0]
+    cp = ControlPlane(work / "control-plane", bin_dir, advertise_address=host_ip).start()
+    kwok = None
+    try:
+        api = cp.api_client()
+        kube = Kube(api)
+        cp.kubectl("apply", "-f", str(REPO / "crds"), check=True)
+        kwok = start_kwok(bin_dir, cp.kubeconfig, work / "kwok.log")
+        kube.post("/api/v1/nodes", FAKE_NODE)
+        kube.post("/api/v1/namespaces", {"metadata": {"name": NS}})
+        wait_until(lambda: kube.get_or_none(f"/api/v1/namespaces/{NS}/serviceaccounts/default") is not None, 60)
+        os.environ["KUBECONFIG"] = str(cp.kubeconfig)
+        import kubernetes.config.kube_config as kube_config
+
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(cp.kubeconfig)
+        runner = KopfRunner(kopf_args(["--standalone", "-A", "--quiet"]), timeout=60)
+        started = time.perf_counter()
+        runner.__enter__()
+        try:
+            first = body("warm-up")
+            kube.post(ISVC, first)
+            wait_until(lambda: is_ready(kube, "warm-up"), 300)
+            startup = time.perf_counter() - started
+            single_children, single_ready = [], []
+            for i in range(singles):
+                name = f"single-{i}"
+                t0 = time.perf_counter()
+                kube.post(ISVC, body(name))
+                wait_until(lambda n=name: has_children(kube, n), 60)
+                single_children.append(time.perf_counter() - t0)
+                wait_until(lambda n=name: is_ready(kube, n), 120)
+                single_ready.append(time.perf_counter() - t0)
+            time.sleep(2.0)
+            before = writes(kube)
+            names = [f"bulk-{i:03d}" for i in range(count)]
+            t0 = time.perf_counter()
+            for n in names:
+                kube.post(ISVC, body(n))
+            created = time.perf_counter() - t0
+            pending = list(names)
+
+            def all_children() -> bool:
+                pending[:] = [n for n in pending if not has_children(kube, n)]
+                return not pending
+
+            children = wait_until(all_children, 900, 0.2) + created
+            pending[:] = names
+
+            def all_ready() -> bool:
+                pending[:] = [n for n in pending if not is_ready(kube, n)]
+                return not pending
+
+            ready = wait_until(all_ready, 1800, 0.5) + children
+            time.sleep(5.0)  # let the bursts' follow-up events settle before counting
+            after = writes(kube)
+        finally:
+            runner.__exit__(None, None, None)
+        api.close()
+    finally:
+        if kwok is not None:
+            kwok.terminate()
+            kwok.wait(10)
+        cp.stop()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if after.get(k, 0.0) != before.get(k, 0.0)}
+    return {
+        "setup": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+                  "load_before": LOAD_BEFORE, "apiserver": "kube-apiserver v1.37.2 + etcd v3.7.3 (tests/k8s), "
+                  "controller-manager and scheduler; kwok v0.8.0 fake node",
+                  "children_per_service": len(KIDS), "example": "crds/examples/disaggregated.yaml"},
+        "operator_startup_to_first_ready_s": round(startup, 3),
+        "single": {"runs": singles, "children_p50_s": round(statistics.median(single_children), 4),
+                   "children_max_s": round(max(single_children), 4),
+                   "ready_p50_s": round(statistics.median(single_ready), 4),
+                   "ready_max_s": round(max(single_ready), 4)},
+        "bulk": {"services": count, "create_calls_s": round(created, 3), "all_children_s": round(children, 3),
+                 "all_ready_s": round(ready, 3), "writes_by_resource": delta,
+                 "writes_per_service": round(sum(delta.values()) / count, 1)},
+    }
+
+
+def markdown(r: dict[str, Any]) -> str:
+    s, b = r["single"], r["bulk"]
+    return "\n".join([
+        "# Operator reconcile against a real API server",
+        "",
+        f"`bench/operator_reconcile_cluster.py`; {r['setup']['cpus']} CPUs shared by the operator, etcd, the "
+        f"apiserver, controller-manager, scheduler and kwok; load average {r['setup']['load_before']:.2f} at the "
+        f"start. {r['setup']['apiserver']}. Each InferenceService is `crds/examples/disaggregated.yaml` "
+        f"({r['setup']['children_per_service']} children, 4 pods that kwok marks Ready).",
+        "",
+        "| measure | real API server | KMock (bench/results/operator_reconcile.md) |",
+        "|---|---|---|",
+        f"| new InferenceService to all children (p50 of {s['runs']}) | {s['children_p50_s'] * 1000:.0f} ms | "
+        f"{KMOCK['single']['p50_s'] * 1000:.0f} ms |",
+        f"| new InferenceService to all children (max) | {s['children_max_s'] * 1000:.0f} ms | "
+        f"{KMOCK['single']['max_s'] * 1000:.0f} ms |",
+        f"| new InferenceService to Ready=True (p50 / max) | {s['ready_p50_s']:.2f} / {s['ready_max_s']:.2f} s | "
+        "(no controllers) |",
+        f"| {b['services']} InferenceServices: all children exist | {b['all_children_s']:.1f} s | "
+        f"{KMOCK['bulk']['all_children_s']:.1f} s |",
+        f"| {b['services']} InferenceServices: all Ready=True | {b['all_ready_s']:.1f} s | (no controllers) |",
+        f"| operator API writes per InferenceService | {b['writes_per_service']} | "
+        f"{KMOCK['bulk']['writes_per_service']} |",
+        "",
+        "Writes by resource (the bulk phase): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                             sorted(b["writes_by_resource"].items())) + ".",
+        "",
+        "Target: a new InferenceService's children exist within 2 s.",
+        "",
+    ])
+
+
+KMOCK: dict[str, Any] = json.loads((RESULTS / "operator_reconcile.json").read_text())
+LOAD_BEFORE = os.getloadavg()[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--singles", type=int, default=10)
+    parser.add_argument("--count", type=int, default=100)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    work = Path(tempfile.mkdtemp(prefix="reconcile-cluster-"))
+    print("logs in", work, flush=True)  # kept: the control plane's and kwok's logs
+    result = run(args.singles, args.count, work)
+    (RESULTS / "operator_reconcile_cluster.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "operator_reconcile_cluster.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
