@@ -160,7 +160,10 @@ def openmp_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """What to add to an EngineCore's environment before torch loads libgomp; a user's own
     OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
     env = os.environ if env is None else env
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+    # Not on by default yet: with passive (or short-spin) waiting, P/D greedy output differed from colocated
+    # in tests/engine/test_pd_e2e.py (a timing race in the P/D path that spinning hides; open bug). Opt in
+    # with TANDEM_OMP_PASSIVE=1 until it is fixed.
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env or env.get("TANDEM_OMP_PASSIVE") != "1":
         return {}
     return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
 
