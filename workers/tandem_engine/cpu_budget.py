@@ -22,8 +22,7 @@ CPU_LIMIT_ENV = "TANDEM_CPU_LIMIT_MILLICORES"
 # libgomp (torch's OpenMP) spins 300,000 iterations at every barrier before it sleeps: a thread whose
 # peer was descheduled by another process burns its whole time slice. Two busy engines on two cores took
 # 9x one engine's time with that, 2.8x with a 10,000 spin and 1.45x with passive waiting, which costs one
-# engine alone ~10% (bench/results/cpu_sharing.md): an engine cannot know who shares its cores, so wait
-# passively unless the user says otherwise.
+# engine alone ~10% (bench/results/cpu_sharing.md). Opt-in for now: see openmp_env.
 OMP_WAIT_POLICY = "PASSIVE"
 # Where cgroup v1 mounts the cpu controller, by distribution.
 _V1_MOUNTS = ("cpu,cpuacct", "cpuacct,cpu", "cpu")

@@ -124,11 +124,19 @@ class Child:
         self.ready = False
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
+        if self.alive():
+            self.terminate()
+            self.reap(time.monotonic() + timeout, timeout)
+
+    def terminate(self) -> None:
+        assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self, deadline: float, timeout: float) -> None:
+        """Wait for a terminated child until `deadline`, then kill it."""
+        assert self.proc is not None
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             say(f"{self.name} did not stop in {timeout:.0f}s; killing it")
             self.proc.kill()
@@ -219,18 +227,11 @@ class Stack:
     def stop(self, timeout: float = 15.0) -> None:
         for group in ([self.router], self.engines):
             live = [c for c in group if c.alive()]
-            for c in live:
-                assert c.proc is not None
-                c.proc.send_signal(signal.SIGTERM)
+            for c in live:  # all of a group at once, then wait for them together
+                c.terminate()
             deadline = time.monotonic() + timeout
             for c in live:
-                assert c.proc is not None
-                try:
-                    c.proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    say(f"{c.name} did not stop in {timeout:.0f}s; killing it")
-                    c.proc.kill()
-                    c.proc.wait()
+                c.reap(deadline, timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
