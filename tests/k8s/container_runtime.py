@@ -39,9 +39,15 @@ set -e
 hostname "$1"
 cd "$2"
 wd=$3
+repo=$2
 stage=$4
 shift 4
 mount -t tmpfs -o size=1m tandem-stage "$stage"
+# The repository (its virtualenv runs every container) may sit below a volume's target, e.g. a clone in
+# /tmp under a pod's /tmp emptyDir: keep it reachable at its own path.
+repo_id=$(stat -c %d:%i "$repo")
+mkdir "$stage/repo"
+mount --bind "$repo" "$stage/repo"
 # Pass 1: bind each source into the stage; queue (staged source, target, mode) after the command.
 set -- "$@" --end--
 i=0
@@ -64,6 +70,9 @@ while [ "$1" != -- ]; do
   shift 3
 done
 shift
+if [ "$(stat -c %d:%i "$repo" 2>/dev/null)" != "$repo_id" ]; then
+  mkdir -p "$repo" && mount --bind "$stage/repo" "$repo"
+fi
 umount -l "$stage"
 if [ -n "$wd" ]; then mkdir -p "$wd" && cd "$wd"; fi
 exec "$@"

@@ -22,7 +22,8 @@ CPU_LIMIT_ENV = "TANDEM_CPU_LIMIT_MILLICORES"
 # libgomp (torch's OpenMP) spins 300,000 iterations at every barrier before it sleeps: a thread whose
 # peer was descheduled by another process burns its whole time slice. Two busy engines on two cores took
 # 9x one engine's time with that, 2.8x with a 10,000 spin and 1.45x with passive waiting, which costs one
-# engine alone ~10% (bench/results/cpu_sharing.md). Opt-in for now: see openmp_env.
+# engine alone ~10% (bench/results/cpu_sharing.md): an engine cannot know who shares its cores, so it
+# waits passively unless the user sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.
 OMP_WAIT_POLICY = "PASSIVE"
 # Where cgroup v1 mounts the cpu controller, by distribution.
 _V1_MOUNTS = ("cpu,cpuacct", "cpuacct,cpu", "cpu")
@@ -159,10 +160,7 @@ def openmp_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """What to add to an EngineCore's environment before torch loads libgomp; a user's own
     OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
     env = os.environ if env is None else env
-    # Not on by default yet: with passive (or short-spin) waiting, P/D greedy output differed from colocated
-    # in tests/engine/test_pd_e2e.py (a timing race in the P/D path that spinning hides; open bug). Opt in
-    # with TANDEM_OMP_PASSIVE=1 until it is fixed.
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env or env.get("TANDEM_OMP_PASSIVE") != "1":
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return {}
     return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
 
