@@ -75,8 +75,14 @@ def run_server(args: list[str], log_dir: Path, timeout_s: float = 180.0,
 
 
 def launch(log_dir: Path, args: list[str], port: int | None = None, cpus: list[int] | None = None) -> Server:
-    """Start `tandem serve` (not waiting for it), pinned to `cpus` when several engines share the machine."""
+    """Start `tandem serve` (not waiting for it), pinned to `cpus` when several engines share the machine.
+
+    float32 unless `args` names a dtype: these tests compare greedy answers across paths (P/D against
+    colocated, prefix-cache hits against misses, batches against single requests), and only float32 keeps
+    them token-exact; in bfloat16 a matmul's rounding depends on its shape and flips near-ties."""
     port = port or free_port()
+    if "--dtype" not in args:
+        args = ["--dtype", "float32", *args]
     log_path = log_dir / f"serve-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],

@@ -6,6 +6,7 @@ neither the Kubernetes binaries nor root.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 # A cold build of the Kubernetes binaries takes tens of minutes on 2 cores: more than one test's timeout.
 BUILD_TIMEOUT_S = 3600
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every test's `kubectl` and `helm` are the pinned builds from hack/build-tools.sh, not the machine's."""
+    built = subprocess.run(["bash", str(REPO / "hack" / "build-tools.sh"), "--print"], capture_output=True, text=True)
+    if built.returncode == 0:
+        os.environ["PATH"] = built.stdout.strip() + os.pathsep + os.environ.get("PATH", "")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

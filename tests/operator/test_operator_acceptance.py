@@ -12,7 +12,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +27,6 @@ from tandem_operator.cli import kopf_args
 pytestmark = [
     pytest.mark.kmock(cls=RealisticEmulator),
     pytest.mark.timeout(120),
-    pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed"),
 ]
 HAS_HELM = importlib.util.find_spec("helm_sdkpy") is not None
 

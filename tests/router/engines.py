@@ -17,7 +17,9 @@ from tandem_router.local_stack import child_preexec
 MODEL = "smollm2-135m-instruct"
 TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
 # Thread counts come from each engine's CPU share: `tandem up` and `start_engine(cpus=...)` pin engines.
-ENGINE_ARGS = ["--max-model-len", "2048"]
+# float32: the tests compare greedy answers across engines, paths and prefix-cache hits, which only
+# float32 keeps token-exact (bfloat16 rounding depends on the matmul's shape; see docs/operations.md).
+ENGINE_ARGS = ["--max-model-len", "2048", "--dtype", "float32"]
 
 
 def start(argv: list[str], log: Path, cpus: list[int] | None = None) -> subprocess.Popen[bytes]:
