@@ -58,6 +58,8 @@ def contains(actual: Any, desired: Any) -> bool:
             if value is None:
                 if actual.get(key) is not None:
                     return False
+            elif key not in actual and _empty(value):
+                continue  # the API server omits empty values (Go `omitempty`): not a difference
             elif not contains(actual.get(key), value):
                 return False
         return True
@@ -66,6 +68,10 @@ def contains(actual: Any, desired: Any) -> bool:
             return False
         return all(contains(a, d) for a, d in zip(actual, desired, strict=True))
     return bool(actual == desired)
+
+
+def _empty(value: Any) -> bool:
+    return value is False or value == 0 or value == "" or value == [] or value == {}
 
 
 def removals(previous: Any, desired: Any) -> dict[str, Any]:

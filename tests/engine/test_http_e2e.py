@@ -188,11 +188,10 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
     assert wait_for_running(base_url, lambda v: not v) in (None, 0.0)
     body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
-        first = ""
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                first = line
-                break
+        # Keep the line iterator referenced: a `for ... break` over it finalises httpcore's stream, which
+        # closes the connection there and then, and the test would race its own disconnect.
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
         # Still connected: the engine reports the request as running.
         assert wait_for_running(base_url, lambda v: v == 1.0) == 1.0, f"status {r.status_code}, first event {first}"
     assert wait_for_running(base_url, lambda v: v == 0.0) == 0.0, (

@@ -108,6 +108,12 @@ def test_three_way_merge_helpers() -> None:
     assert contains(actual, {"spec": {"replicas": 2, "ports": [{"port": 1}]}})
     assert not contains(actual, {"spec": {"replicas": 3}})
     assert not contains(actual, {"spec": {"ports": [{"port": 1}, {"port": 2}]}})
+    # The API server omits empty values (Go `omitempty`): a child written with them reads back without.
+    as_served = {"spec": {"clusterIP": "None", "ports": [{"port": 1}]}}
+    assert contains(as_served, {"spec": {"publishNotReadyAddresses": False, "ports": [{"port": 1, "name": ""}]}})
+    assert contains({"spec": {}}, {"spec": {"args": [], "labels": {}, "n": 0}})
+    assert not contains({"spec": {"publishNotReadyAddresses": True}}, {"spec": {"publishNotReadyAddresses": False}})
+    assert not contains({"spec": {"replicas": 1}}, {"spec": {"replicas": 0}})
     previous = {"spec": {"template": {"spec": {"nodeSelector": {"a": "b"}, "containers": []}}}}
     desired = {"spec": {"template": {"spec": {"containers": []}}}}
     gone = removals(previous, desired)
