@@ -3,7 +3,7 @@
     .venv/bin/python bench/operator_reconcile_cluster.py [--singles 10] [--count 100]
 
 Starts the test control plane (tests/k8s: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-built by hack/build-tools.sh) and kwok (`hack/build-tools.sh kwok`) with one fake node whose pods kwok marks
+built by hack/build-tools.sh) and kwok (built by hack/build-tools.sh too) with one fake node whose pods kwok marks
 Ready at once, so Deployments become available without running engines. Runs the operator in this process
 (kopf, `tandem operator -A --standalone`, admin credentials, as the KMock benchmark does) and measures:
   1. a new InferenceService -> all its 10 children exist, and -> Ready=True (one at a time, `--singles`);
@@ -36,6 +36,7 @@ from operator_reconcile import KIDS, body  # noqa: E402
 from tests.k8s.cluster import build_tools  # noqa: E402
 from tests.k8s.controlplane import ControlPlane  # noqa: E402
 from tests.k8s.kube import Kube  # noqa: E402
+from tests.k8s.kwok import FakeNode  # noqa: E402
 
 logger = logging.getLogger(__name__)
 RESULTS = REPO / "bench" / "results"
@@ -44,9 +45,8 @@ ISVC = f"/apis/serving.tandem.dev/v1alpha1/namespaces/{NS}/inferenceservices"
 # What the operator writes (kopf's own patches of the InferenceService included).
 OPERATOR_RESOURCES = {"inferenceservices", "configmaps", "serviceaccounts", "roles", "rolebindings", "services",
                       "deployments"}
+CONTROLLER_WRITES = {"deployments/status"}  # the Deployment controller's, not the operator's
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY"}  # apiserver_request_total spells them so
-KWOK_STAGES = ["node/fast/node-initialize.yaml", "pod/general/pod-create.yaml", "pod/general/pod-ready.yaml",
-               "pod/general/pod-complete.yaml", "pod/general/pod-delete.yaml"]
 
 
 def kid_path(resource: str, name: str) -> str:
@@ -83,28 +83,10 @@ def writes(kube: Kube) -> dict[str, float]:
         labels = {k: v.strip('"') for k, v in labels.items()}
         if labels.get("verb") in WRITE_VERBS and labels.get("resource") in OPERATOR_RESOURCES:
             key = labels["resource"] + ("/" + labels["subresource"] if labels.get("subresource") else "")
+            if key in CONTROLLER_WRITES:
+                continue
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
-
-
-def start_kwok(bin_dir: Path, kubeconfig: Path, log: Path) -> subprocess.Popen[bytes]:
-    mod = subprocess.run(["go", "mod", "download", "-json", "sigs.k8s.io/kwok@v0.8.0"], capture_output=True,
-                         text=True, check=True, env={**os.environ, "GOTOOLCHAIN": "local"})
-    stages = Path(json.loads(mod.stdout)["Dir"]) / "kustomize" / "stage"
-    argv = [str(bin_dir / "kwok"), f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
-            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--cidr=10.250.0.1/16",
-            "--node-ip=10.250.0.1", *[f"-c={stages / s}" for s in KWOK_STAGES]]
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-
-
-FAKE_NODE = {
-    "apiVersion": "v1", "kind": "Node",
-    "metadata": {"name": "kwok-node-0", "annotations": {"kwok.x-k8s.io/node": "fake"},
-                 "labels": {"type": "kwok", "kubernetes.io/hostname": "kwok-node-0"}},
-    "status": {"allocatable": {"cpu": "1000", "memory": "4Ti", "pods": "2000"},
-               "capacity": {"cpu": "1000", "memory": "4Ti", "pods": "2000"}},
-}
 
 
 def run(singles: int, count: int, work: Path) -> dict[str, Any]:
@@ -112,7 +94,7 @@ def run(singles: int, count: int, work: Path) -> dict[str, Any]:
 
     from tandem_operator.cli import kopf_args
 
-    bin_dir = build_tools(with_kwok=True)
+    bin_dir = build_tools()
     # The apiserver refuses a loopback advertise address; no pod needs to reach it here (kwok runs none).
     host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()[0]
     cp = ControlPlane(work / "control-plane", bin_dir, advertise_address=host_ip).start()
@@ -121,8 +103,8 @@ def run(singles: int, count: int, work: Path) -> dict[str, Any]:
         api = cp.api_client()
         kube = Kube(api)
         cp.kubectl("apply", "-f", str(REPO / "crds"), check=True)
-        kwok = start_kwok(bin_dir, cp.kubeconfig, work / "kwok.log")
-        kube.post("/api/v1/nodes", FAKE_NODE)
+        # Untainted: no node agent here, so every pod belongs on the fake node.
+        kwok = FakeNode(bin_dir, cp.kubeconfig, kube, work / "kwok.log", taint=False).start()
         kube.post("/api/v1/namespaces", {"metadata": {"name": NS}})
         wait_until(lambda: kube.get_or_none(f"/api/v1/namespaces/{NS}/serviceaccounts/default") is not None, 60)
         os.environ["KUBECONFIG"] = str(cp.kubeconfig)
@@ -174,8 +156,7 @@ def run(singles: int, count: int, work: Path) -> dict[str, Any]:
         api.close()
     finally:
         if kwok is not None:
-            kwok.terminate()
-            kwok.wait(10)
+            kwok.stop()
         cp.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if after.get(k, 0.0) != before.get(k, 0.0)}
     return {

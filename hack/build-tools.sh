@@ -3,7 +3,9 @@
 #
 #   hack/build-tools.sh          build what is missing, print the folder holding the binaries
 #   hack/build-tools.sh --print  print that folder only (exit 1 if a binary is missing)
-#   hack/build-tools.sh kwok     also kwok (fake nodes and Ready pods for scale benchmarks; not for tests)
+#
+# kwok (fake nodes whose pods it marks Ready without running them) is built too: the operator's
+# reconcile tests and the scale benchmark schedule pods onto its tainted node.
 #
 # Everything comes from the Go module proxy through hack/k8s-tools/go.mod (versions and checksums
 # pinned there); nothing prebuilt is downloaded. Binaries land in a cache outside the repository keyed
@@ -31,14 +33,10 @@ declare -A packages=(
   [helm]=helm.sh/helm/v4/cmd/helm
 )
 order=(kubectl helm etcd kube-scheduler kube-controller-manager kube-apiserver)
-with_kwok=false
-if [[ "${1:-}" == "kwok" ]]; then
-  with_kwok=true
-  shift
-fi
+[[ "${1:-}" == "kwok" ]] && shift  # accepted for old callers: kwok is always built now
 
 missing=()
-for name in "${order[@]}"; do
+for name in "${order[@]}" kwok; do
   [[ -x "$bin/$name" ]] || missing+=("$name")
 done
 if [[ "${1:-}" == "--print" ]]; then
@@ -57,7 +55,6 @@ build_kwok() {
   echo "[tools] kwok done in $((SECONDS - start)) s" >&2
 }
 if [[ ${#missing[@]} -eq 0 ]]; then
-  $with_kwok && build_kwok
   echo "$bin"
   exit 0
 fi
@@ -98,5 +95,5 @@ for name in "${order[@]}"; do
   echo "[tools] ($i/$total) $name done in $((SECONDS - start)) s" >&2
 done
 echo "[tools] all built in $((SECONDS - start_all)) s" >&2
-$with_kwok && build_kwok
+build_kwok
 echo "$bin"

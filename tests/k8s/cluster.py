@@ -42,9 +42,9 @@ def preflight() -> str | None:
     return None
 
 
-def build_tools(with_kwok: bool = False) -> Path:
+def build_tools() -> Path:
     """hack/build-tools.sh: a no-op once built, tens of minutes the first time; prints the bin dir last."""
-    argv = ["bash", str(REPO / "hack" / "build-tools.sh"), *(["kwok"] if with_kwok else [])]
+    argv = ["bash", str(REPO / "hack" / "build-tools.sh")]
     out = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
     return Path(out.stdout.strip().splitlines()[-1])
 

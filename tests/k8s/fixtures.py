@@ -16,6 +16,7 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.k8s.cluster import Cluster
+    from tests.k8s.kwok import FakeNode
 
 REPO = Path(__file__).resolve().parents[2]
 # A cold build of the Kubernetes binaries takes tens of minutes on 2 cores: more than one test's timeout.
@@ -53,3 +54,16 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
     leftovers = cluster.leftovers()
     assert not leftovers, f"the test cluster left behind: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def k8s_fake_node(k8s_cluster: Cluster) -> Iterator[FakeNode]:
+    """A kwok node on the session cluster (tainted: only pods that ask for it land there)."""
+    from tests.k8s.kwok import FakeNode
+
+    node = FakeNode(k8s_cluster.bin_dir, k8s_cluster.kubeconfig, k8s_cluster.kube,
+                    k8s_cluster.work_dir / "kwok.log").start()
+    try:
+        yield node
+    finally:
+        node.stop()

@@ -199,6 +199,52 @@ def test_operator_service_account_can_do_what_reconciling_needs_and_nothing_more
     assert not wrong, "\n".join(wrong)
 
 
+NS_SA = "system:serviceaccount:tandem-ns-system:tandem-ns-operator"  # release "tandem-ns", scope Namespace
+NS_CAN = [
+    ("list", "inferenceservices.serving.tandem.dev", "-n", "team-a"),
+    ("watch", "inferenceservices.serving.tandem.dev", "-n", "team-a"),
+    ("patch", "inferenceservices.serving.tandem.dev/status", "-n", "team-a"),
+    ("create", "deployments.apps", "-n", "team-a"),
+    ("delete", "services", "-n", "team-a"),
+    ("create", "rolebindings.rbac.authorization.k8s.io", "-n", "team-a"),
+    ("create", "events", "-n", "team-a"),
+]
+NS_CANNOT = [
+    ("list", "inferenceservices.serving.tandem.dev", "-A"),
+    ("create", "deployments.apps", "-A"),
+    ("create", "deployments.apps", "-n", "team-b"),
+    ("list", "inferenceservices.serving.tandem.dev", "-n", "team-b"),
+    ("get", "secrets", "-n", "team-a"),
+    ("list", "namespaces"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "clusterroles.rbac.authorization.k8s.io"),
+    ("create", "pods", "-n", "team-a"),
+]
+
+
+def test_namespace_scoped_rbac_grants_only_the_watched_namespaces(env: Env) -> None:
+    """The chart's `rbac.scope=Namespace` as the real authorizer sees it: Roles in the watched namespaces,
+    nothing cluster-wide (rendered by helm, applied without running a second operator)."""
+    for ns in ("tandem-ns-system", "team-a", "team-b"):
+        env.ok("kubectl", "create", "namespace", ns)
+    try:
+        rendered = env.ok("helm", "template", "tandem-ns", "charts/tandem", "--namespace", "tandem-ns-system",
+                          "--set", "rbac.scope=Namespace", "--set", "rbac.watchNamespaces={team-a}",
+                          "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml")
+        assert "ClusterRole" not in rendered, rendered
+        env.ok("kubectl", "apply", "-f", "-", input=rendered)
+        wrong = []
+        for allowed, checks in ((True, NS_CAN), (False, NS_CANNOT)):
+            for verb, resource, *scope in checks:
+                out = env.kubectl("auth", "can-i", verb, resource, *scope, f"--as={NS_SA}")
+                if (out.stdout.strip() == "yes") != allowed:
+                    wrong.append(f"can-i {verb} {resource} {' '.join(scope)}: {out.stdout.strip()} (want "
+                                 f"{'yes' if allowed else 'no'})")
+        assert not wrong, "\n".join(wrong)
+    finally:
+        env.kubectl("delete", "namespace", "tandem-ns-system", "team-a", "team-b", "--wait=false")
+
+
 # -- serving --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
