@@ -23,6 +23,8 @@ import yaml
 from tests.engine.engine_server import run_server
 from tests.k8s.cluster import Cluster, eventually
 
+from tandem_operator.handlers import CHILD_RESOURCES
+
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,15 +190,21 @@ CANNOT = [
 ]
 
 
-def test_operator_service_account_can_do_what_reconciling_needs_and_nothing_more(env: Env) -> None:
+def can_i_mismatches(env: Env, account: str, can: list[tuple[str, ...]], cannot: list[tuple[str, ...]]) -> str:
+    """`kubectl auth can-i --as=account` for every check; the answers that differ from the wanted ones."""
     wrong = []
-    for allowed, checks in ((True, CAN), (False, CANNOT)):
+    for allowed, checks in ((True, can), (False, cannot)):
         for verb, resource, *scope in checks:
-            out = env.kubectl("auth", "can-i", verb, resource, *scope, f"--as={SA}")
+            out = env.kubectl("auth", "can-i", verb, resource, *scope, f"--as={account}")
             if (out.stdout.strip() == "yes") != allowed:
                 wrong.append(f"can-i {verb} {resource} {' '.join(scope)}: {out.stdout.strip()} (want "
                              f"{'yes' if allowed else 'no'})")
-    assert not wrong, "\n".join(wrong)
+    return "\n".join(wrong)
+
+
+def test_operator_service_account_can_do_what_reconciling_needs_and_nothing_more(env: Env) -> None:
+    wrong = can_i_mismatches(env, SA, CAN, CANNOT)
+    assert not wrong, wrong
 
 
 NS_SA = "system:serviceaccount:tandem-ns-system:tandem-ns-operator"  # release "tandem-ns", scope Namespace
@@ -233,14 +241,8 @@ def test_namespace_scoped_rbac_grants_only_the_watched_namespaces(env: Env) -> N
                           "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml")
         assert "ClusterRole" not in rendered, rendered
         env.ok("kubectl", "apply", "-f", "-", input=rendered)
-        wrong = []
-        for allowed, checks in ((True, NS_CAN), (False, NS_CANNOT)):
-            for verb, resource, *scope in checks:
-                out = env.kubectl("auth", "can-i", verb, resource, *scope, f"--as={NS_SA}")
-                if (out.stdout.strip() == "yes") != allowed:
-                    wrong.append(f"can-i {verb} {resource} {' '.join(scope)}: {out.stdout.strip()} (want "
-                                 f"{'yes' if allowed else 'no'})")
-        assert not wrong, "\n".join(wrong)
+        wrong = can_i_mismatches(env, NS_SA, NS_CAN, NS_CANNOT)
+        assert not wrong, wrong
     finally:
         env.kubectl("delete", "namespace", "tandem-ns-system", "team-a", "team-b", "--wait=false")
 
@@ -299,13 +301,13 @@ def test_disaggregated_example_serves_through_the_router(env: Env, reference: di
     assert after > before, "the decode engines pulled no KV blocks: the answer did not go prefill -> decode"
 
 
-CHILD_RESOURCES = ("deployments", "services", "configmaps", "serviceaccounts", "roles", "rolebindings")
+CHILD_PLURALS = tuple(plural for _, _, plural, _ in CHILD_RESOURCES)
 
 
 def child_writes(env: Env) -> dict[str, float]:
     """The API server's own count of writes to the objects the operator owns (status subresources aside:
     the controllers write those)."""
-    out = dict.fromkeys(CHILD_RESOURCES, 0.0)
+    out = dict.fromkeys(CHILD_PLURALS, 0.0)
     for line in env.ok("kubectl", "get", "--raw", "/metrics").splitlines():
         if not line.startswith("apiserver_request_total{"):
             continue
@@ -330,7 +332,7 @@ def test_a_settled_inference_service_costs_no_writes(env: Env) -> None:
                "the operator did not restore the router Service's selector")
     time.sleep(5)  # the repair's own watch event, and any reconcile it sets off
     after = child_writes(env)
-    extra = {k: after[k] - before[k] for k in CHILD_RESOURCES if after[k] != before[k]}
+    extra = {k: after[k] - before[k] for k in CHILD_PLURALS if after[k] != before[k]}
     # Two writes on services: the test's drift and the operator's repair; nothing else.
     assert extra == {"services": 2.0}, extra
 
