@@ -1,25 +1,27 @@
-"""EndpointSlice discovery through the official client against KMock (an in-memory Kubernetes API)."""
+"""EndpointSlice discovery through the official client against the real API server (tests/k8s).
+
+The slices are written by hand (no Service or pods behind them, so the EndpointSlice controller leaves them
+alone) and point at stub upstreams on the host's pod-network address: the server refuses loopback
+addresses in EndpointSlices only for Endpoints, but a real slice never holds one. test_cluster_e2e.py
+covers slices the controller makes for pods that serve.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import kmock
 import pytest
+from tests.k8s.cluster import Cluster
+from tests.k8s.cluster import eventually as wait
 from tests.router.utils import eventually
 
 from tandem_router.discovery import parse_selector, selector_matches
 
-try:  # the operator tests' emulator adds resourceVersions and resumable watches
-    from tests.operator.kube_emulator import RealisticEmulator as Emulator
-except ImportError:  # pragma: no cover
-    Emulator = kmock.KubernetesEmulator
-
-pytestmark = pytest.mark.kmock(cls=Emulator)
-
-SLICES = "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices"
+NS = "discovery"
+SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
 ISVC = "serving.tandem.dev/inferenceservice"
 ROLE = "serving.tandem.dev/role"
 
@@ -38,7 +40,7 @@ def endpoint_slice(
         "kind": "EndpointSlice",
         "metadata": {
             "name": name,
-            "namespace": "ns",
+            "namespace": NS,
             "labels": {ISVC: isvc, ROLE: role, "kubernetes.io/service-name": f"{isvc}-{role}"},
         },
         "addressType": "IPv4",
@@ -47,18 +49,32 @@ def endpoint_slice(
     }
 
 
+class Slices:
+    """Writes EndpointSlices off the event loop (the router under test watches from it)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.kube = cluster.kube
+
+    async def post(self, body: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.kube.post, SLICES, body)
+
+    async def patch(self, name: str, body: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.kube.patch, f"{SLICES}/{name}", body, "application/merge-patch+json")
+
+    async def delete(self, name: str) -> None:
+        await asyncio.to_thread(self.kube.delete, f"{SLICES}/{name}")
+
+
 @pytest.fixture
-def kubeconfig(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    kmock.resources.load_bundled()
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: k\n"
-        f"clusters:\n- name: k\n  cluster:\n    server: {str(kmock.url).rstrip('/')}\n"
-        "users:\n- name: k\n  user:\n    token: t\n"
-        "contexts:\n- name: k\n  context:\n    cluster: k\n    user: k\n"
-    )
+def cluster(k8s_cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    k8s_cluster.create_namespace(NS)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return str(path)
+    try:
+        yield k8s_cluster
+    finally:
+        k8s_cluster.kube.delete(f"/api/v1/namespaces/{NS}")
+        # A later test's namespace of the same name must wait for this one to go.
+        wait(lambda: k8s_cluster.kube.get_or_none(f"/api/v1/namespaces/{NS}") is None, 60, "namespace not deleted")
 
 
 def test_selector_parsing_and_matching() -> None:
@@ -71,20 +87,21 @@ def test_selector_parsing_and_matching() -> None:
         parse_selector("a!=b")
 
 
-async def test_endpointslices_are_watched_with_readiness(kmock: Any, kubeconfig: str, upstream, router) -> None:
-    a = await upstream(name="a")
-    b = await upstream(name="b")
+@pytest.mark.k8s
+async def test_endpointslices_are_watched_with_readiness(cluster: Cluster, upstream, router) -> None:
+    host = cluster.network.host_ip
+    slices = Slices(cluster)
+    a = await upstream(name="a", host=host)
+    b = await upstream(name="b", host=host)
     pa, pb = (int(u.url.rsplit(":", 1)[1]) for u in (a, b))
-    await kmock.post(
-        SLICES, json=endpoint_slice("llm-decode-1", "decode", pa, [("127.0.0.1", True), ("10.9.9.9", False)])
-    )
-    await kmock.post(SLICES, json=endpoint_slice("llm-prefill-1", "prefill", 9000, [("10.1.1.1", None)]))
-    # Another InferenceService's slice: KMock ignores label selectors, the router must not.
-    await kmock.post(SLICES, json=endpoint_slice("other-decode-1", "decode", 9000, [("10.2.2.2", True)], isvc="other"))
+    await slices.post(endpoint_slice("llm-decode-1", "decode", pa, [(host, True), ("10.9.9.9", False)]))
+    await slices.post(endpoint_slice("llm-prefill-1", "prefill", 9000, [("10.1.1.1", None)]))
+    # Another InferenceService's slice in the same namespace: the router's selector must leave it out.
+    await slices.post(endpoint_slice("other-decode-1", "decode", 9000, [("10.2.2.2", True)], isvc="other"))
     r = await router(
         discovery="kubernetes",
-        namespace="ns",
-        kubeconfig=kubeconfig,
+        namespace=NS,
+        kubeconfig=str(cluster.kubeconfig),
         decode_selector=f"{ISVC}=llm,{ROLE}=decode",
         prefill_selector=f"{ISVC}=llm,{ROLE}=prefill",
         remote_prefill_threshold=10_000,
@@ -95,37 +112,21 @@ async def test_endpointslices_are_watched_with_readiness(kmock: Any, kubeconfig:
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert (await resp.json())["choices"][0]["text"].startswith(" a-0")
         # A second decode pod becomes ready (a new slice), then the first one turns unready.
-        await kmock.post(SLICES, json=endpoint_slice("llm-decode-2", "decode", pb, [("127.0.0.1", True)]))
+        await slices.post(endpoint_slice("llm-decode-2", "decode", pb, [(host, True)]))
         await eventually(lambda: set(decode.endpoints) == {a.url, b.url})
-        await kmock.patch(
-            f"{SLICES}/llm-decode-1",
-            json={"endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": False}}]},
-        )
+        await slices.patch("llm-decode-1", {"endpoints": [{"addresses": [host], "conditions": {"ready": False}}]})
         await eventually(lambda: set(decode.endpoints) == {b.url})
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert (await resp.json())["choices"][0]["text"].startswith(" b-0")
-        await kmock.delete(f"{SLICES}/llm-decode-2")
+        await slices.delete("llm-decode-2")
         await eventually(lambda: decode.endpoints == {})
         async with s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 503
         # Terminating endpoints are not admitted either.
-        await kmock.patch(
-            f"{SLICES}/llm-decode-1",
-            json={
-                "endpoints": [
-                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True}},
-                ]
-            },
-        )
+        await slices.patch("llm-decode-1", {"endpoints": [{"addresses": [host], "conditions": {"ready": True}}]})
         await eventually(lambda: set(decode.endpoints) == {a.url})
-        await kmock.patch(
-            f"{SLICES}/llm-decode-1",
-            json={
-                "endpoints": [
-                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True, "terminating": True}},
-                ]
-            },
-        )
+        await slices.patch("llm-decode-1", {"endpoints": [{"addresses": [host], "conditions": {"ready": True,
+                                                                                         "terminating": True}}]})
         await eventually(lambda: decode.endpoints == {})
 
 

@@ -39,6 +39,7 @@ class TestUpstream:
     disconnected: list[str] = field(default_factory=list)  # X-Request-Ids whose client went away
     finished: list[str] = field(default_factory=list)
     url: str = ""
+    host: str = "127.0.0.1"  # a pod-network address where a real EndpointSlice must name it (no loopback)
     _runner: web.AppRunner | None = None
 
     def text(self, n: int) -> list[str]:
@@ -155,11 +156,11 @@ class TestUpstream:
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        site = web.TCPSite(self._runner, self.host, port)
         await site.start()
         assert site._server is not None
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{bound}"
+        self.url = f"http://{self.host}:{bound}"
         return self
 
     async def stop(self) -> None:
