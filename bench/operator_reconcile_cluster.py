@@ -46,7 +46,6 @@ ISVC = f"/apis/serving.tandem.dev/v1alpha1/namespaces/{NS}/inferenceservices"
 OPERATOR_RESOURCES = {"inferenceservices", "configmaps", "serviceaccounts", "roles", "rolebindings", "services",
                       "deployments"}
 CONTROLLER_WRITES = {"deployments/status"}  # the Deployment controller's, not the operator's
-WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY"}  # apiserver_request_total spells them so
 
 
 def kid_path(resource: str, name: str) -> str:
@@ -74,19 +73,9 @@ def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.02
 
 
 def writes(kube: Kube) -> dict[str, float]:
-    """apiserver_request_total of write verbs on the operator's resources, by resource."""
-    out: dict[str, float] = {}
-    for line in kube.text("/metrics").splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
-        labels = {k: v.strip('"') for k, v in labels.items()}
-        if labels.get("verb") in WRITE_VERBS and labels.get("resource") in OPERATOR_RESOURCES:
-            key = labels["resource"] + ("/" + labels["subresource"] if labels.get("subresource") else "")
-            if key in CONTROLLER_WRITES:
-                continue
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    """Write requests on the operator's resources, by resource (the Deployment controller's status aside)."""
+    return {k: v for k, v in kube.writes().items()
+            if k.split("/")[0] in OPERATOR_RESOURCES and k not in CONTROLLER_WRITES}
 
 
 def run(singles: int, count: int, work: Path) -> dict[str, Any]:

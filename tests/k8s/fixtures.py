@@ -23,9 +23,13 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_TIMEOUT_S = 3600
 
 
+TOOLS_BUILT = pytest.StashKey[bool]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Every test's `kubectl` and `helm` are the pinned builds from hack/build-tools.sh, not the machine's."""
     built = subprocess.run(["bash", str(REPO / "hack" / "build-tools.sh"), "--print"], capture_output=True, text=True)
+    config.stash[TOOLS_BUILT] = built.returncode == 0
     if built.returncode == 0:
         os.environ["PATH"] = built.stdout.strip() + os.pathsep + os.environ.get("PATH", "")
 
@@ -34,8 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = next((i for i in items if "k8s_cluster" in getattr(i, "fixturenames", ())), None)
     if first is None:
         return
-    built = subprocess.run(["bash", str(REPO / "hack" / "build-tools.sh"), "--print"], capture_output=True)
-    if built.returncode != 0:
+    if not config.stash[TOOLS_BUILT]:
         # The session fixture builds them during the setup of the first test that needs it.
         first.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
+WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY"}  # as apiserver_request_total spells them
 
 
 class Kube:
@@ -62,6 +64,19 @@ class Kube:
     def text(self, path: str) -> str:
         """A non-JSON endpoint, e.g. /metrics."""
         return str(self._send("GET", path, None, None, "application/json", 30.0).read().decode())
+
+    def writes(self) -> dict[str, float]:
+        """The API server's own count of write requests (apiserver_request_total), by "resource" or
+        "resource/subresource", since it started."""
+        out: dict[str, float] = {}
+        for line in self.text("/metrics").splitlines():
+            if not line.startswith("apiserver_request_total{"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            if labels.get("verb") in WRITE_VERBS and labels.get("resource"):
+                key = labels["resource"] + ("/" + labels["subresource"] if labels.get("subresource") else "")
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("POST", path, body)

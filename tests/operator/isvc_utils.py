@@ -29,7 +29,19 @@ PATHS = {
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "InferenceService": ISVC_PATH,
     "Event": "/api/v1/namespaces/{ns}/events",
+    "ReplicaSet": "/apis/apps/v1/namespaces/{ns}/replicasets",
+    "Pod": "/api/v1/namespaces/{ns}/pods",
 }
+
+
+def expected_children(name: str, prefill: bool = True) -> set[tuple[str, str]]:
+    """(kind, name) of every child the operator makes for an InferenceService."""
+    kids = {("ConfigMap", f"{name}-engine-config"), ("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"),
+            ("RoleBinding", f"{name}-router"), ("Service", f"{name}-decode"), ("Service", f"{name}-router"),
+            ("Deployment", f"{name}-decode"), ("Deployment", f"{name}-router")}
+    if prefill:
+        kids |= {("Service", f"{name}-prefill"), ("Deployment", f"{name}-prefill")}
+    return kids
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

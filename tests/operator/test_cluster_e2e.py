@@ -307,15 +307,8 @@ CHILD_PLURALS = tuple(plural for _, _, plural, _ in CHILD_RESOURCES)
 def child_writes(env: Env) -> dict[str, float]:
     """The API server's own count of writes to the objects the operator owns (status subresources aside:
     the controllers write those)."""
-    out = dict.fromkeys(CHILD_PLURALS, 0.0)
-    for line in env.ok("kubectl", "get", "--raw", "/metrics").splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
-        if (labels.get("resource") in out and labels.get("subresource", "") == ""
-                and labels.get("verb") in ("POST", "PUT", "PATCH", "DELETE", "APPLY")):
-            out[labels["resource"]] += float(line.rsplit(" ", 1)[1])
-    return out
+    writes = env.cluster.kube.writes()
+    return {plural: writes.get(plural, 0.0) for plural in CHILD_PLURALS}
 
 
 def test_a_settled_inference_service_costs_no_writes(env: Env) -> None:

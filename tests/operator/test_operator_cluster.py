@@ -19,7 +19,7 @@ from typing import Any
 
 import kubernetes.config.kube_config as kube_config
 import pytest
-from isvc_utils import REPO, example
+from isvc_utils import PATHS, REPO, example, expected_children
 from kopf.testing import KopfRunner
 from tests.k8s.cluster import Cluster, eventually
 from tests.k8s.kwok import FAKE_NODE_POD_TEMPLATE, FakeNode
@@ -29,30 +29,8 @@ from tandem_operator.cli import kopf_args
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
 
 NAME = "smollm2-pd"
-GROUP = "/apis/serving.tandem.dev/v1alpha1"
-PATHS = {
-    "InferenceService": GROUP + "/namespaces/{ns}/inferenceservices",
-    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
-    "ReplicaSet": "/apis/apps/v1/namespaces/{ns}/replicasets",
-    "Pod": "/api/v1/namespaces/{ns}/pods",
-    "Service": "/api/v1/namespaces/{ns}/services",
-    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
-    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
-    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
-    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
-    "Event": "/api/v1/namespaces/{ns}/events",
-}
 MERGE = "application/merge-patch+json"
 LABEL_ISVC = "serving.tandem.dev/inferenceservice"
-
-
-def expected_children(name: str, prefill: bool = True) -> set[tuple[str, str]]:
-    kids = {("ConfigMap", f"{name}-engine-config"), ("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"),
-            ("RoleBinding", f"{name}-router"), ("Service", f"{name}-decode"), ("Service", f"{name}-router"),
-            ("Deployment", f"{name}-decode"), ("Deployment", f"{name}-router")}
-    if prefill:
-        kids |= {("Service", f"{name}-prefill"), ("Deployment", f"{name}-prefill")}
-    return kids
 
 
 def on_fake_node(body: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import kmock as kmock_lib
 import pytest
-from isvc_utils import OPERATOR_ARGS, Api, condition, eventually, example, prepare
+from isvc_utils import OPERATOR_ARGS, Api, condition, eventually, example, expected_children, prepare
 from kopf.testing import KopfRunner
 from kube_emulator import RealisticEmulator
 
@@ -34,22 +34,6 @@ RESOURCES = {
     "Service": "v1/services",
     "Deployment": "apps/v1/deployments",
 }
-
-
-def expected_children(name: str, prefill: bool = True) -> set[tuple[str, str]]:
-    kids = {
-        ("ConfigMap", f"{name}-engine-config"),
-        ("ServiceAccount", f"{name}-router"),
-        ("Role", f"{name}-router"),
-        ("RoleBinding", f"{name}-router"),
-        ("Service", f"{name}-decode"),
-        ("Service", f"{name}-router"),
-        ("Deployment", f"{name}-decode"),
-        ("Deployment", f"{name}-router"),
-    }
-    if prefill:
-        kids |= {("Service", f"{name}-prefill"), ("Deployment", f"{name}-prefill")}
-    return kids
 
 
 @pytest.fixture()
