@@ -14,7 +14,7 @@ import pytest
 
 from tandem_router.local_stack import split_cpus
 from tests.engine.engine_server import Server, stop, wait_healthy
-from tests.engine.test_pd_proxy import completion, freeze, idle, kill, launch, prefill, start_pair, wait_for
+from tests.engine.kv_transfer.pd_proxy import completion, freeze, idle, kill, launch, prefill, start_pair, wait_for
 
 pytestmark = pytest.mark.slow
 

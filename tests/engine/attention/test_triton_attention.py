@@ -252,7 +252,7 @@ def test_import_does_not_need_triton() -> None:
         "assert tb.TritonAttentionBackend.name == 'triton'\n"
         "print(tb.triton_available())\n"
     )
-    workers = os.path.join(os.path.dirname(__file__), "..", "..", "workers")
+    workers = os.path.join(os.path.dirname(__file__), "..", "..", "..", "workers")
     env = {**os.environ, "PYTHONPATH": os.path.abspath(workers)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
