@@ -1,0 +1,97 @@
+/* tandem's CPU paged attention for decode rows (see torch_backend.py, which builds it with the system C
+ * compiler, caches the shared object per source, flags and CPU, and calls it through ctypes). */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    const float *q; int64_t q_tok_stride;        /* [T, nq, D], head stride D */
+    const float *kc, *vc;                        /* [num_blocks, bs, nkv, D] */
+    const int32_t *table; int64_t table_stride;  /* [num_seqs, max_blocks] */
+    const int64_t *rows, *seqs, *klens;          /* per work row: query row, sequence, keys to attend */
+    float *out;                                  /* [T, nq, D] contiguous */
+    float *scratch; int64_t scratch_per_thread;  /* floats: nq * max_klen scores + nq * D accumulators */
+    int64_t n_rows; int nq, nkv, d, bs; float scale;
+    int64_t next;                                /* work counter, advanced atomically */
+} job_t;
+
+static void one(const job_t *j, int64_t r, float *sc) {
+    const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv, nq = j->nq;
+    const int64_t row = j->rows[r], klen = j->klens[r];
+    const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
+    const float *q = j->q + row * j->q_tok_stride;
+    float *acc = sc + (int64_t)nq * klen;
+    const int64_t tok_stride = (int64_t)nkv * d;
+    for (int64_t p0 = 0; p0 < klen; p0 += bs) {
+        const float *kb = j->kc + (int64_t)bt[p0 / bs] * bs * tok_stride;
+        const int64_t n = klen - p0 < bs ? klen - p0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            for (int h = 0; h < nkv; h++) {
+                const float *k = kb + o * tok_stride + h * d;
+                for (int gi = 0; gi < g; gi++) {
+                    const float *qq = q + (h * g + gi) * d; float s = 0.f;
+                    for (int x = 0; x < d; x++) s += qq[x] * k[x];
+                    sc[(h * g + gi) * klen + p0 + o] = s * j->scale;
+                }
+            }
+        }
+    }
+    for (int hi = 0; hi < nq; hi++) {
+        float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < klen; p++) m = s[p] > m ? s[p] : m;
+        for (int64_t p = 0; p < klen; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < klen; p++) s[p] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * nq * d);
+    for (int64_t p0 = 0; p0 < klen; p0 += bs) {
+        const float *vb = j->vc + (int64_t)bt[p0 / bs] * bs * tok_stride;
+        const int64_t n = klen - p0 < bs ? klen - p0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            for (int h = 0; h < nkv; h++) {
+                const float *v = vb + o * tok_stride + h * d;
+                for (int gi = 0; gi < g; gi++) {
+                    const int hi = h * g + gi;
+                    const float w = sc[hi * klen + p0 + o]; float *a = acc + hi * d;
+                    for (int x = 0; x < d; x++) a[x] += w * v[x];
+                }
+            }
+        }
+    }
+    memcpy(j->out + row * nq * d, acc, sizeof(float) * nq * d);
+}
+
+typedef struct { job_t *j; int tid; } arg_t;
+
+static void *worker(void *p) {
+    arg_t *a = (arg_t *)p; job_t *j = a->j;
+    float *sc = j->scratch + a->tid * j->scratch_per_thread;
+    const int64_t total = j->n_rows;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (item >= total) break;
+        one(j, item, sc);
+    }
+    return NULL;
+}
+
+int tandem_paged_attention_f32(const float *q, int64_t q_tok_stride, const float *kc, const float *vc,
+                               const int32_t *table, int64_t table_stride, const int64_t *rows,
+                               const int64_t *seqs, const int64_t *klens, float *out, float *scratch,
+                               int64_t scratch_per_thread, int64_t n_rows, int nq, int nkv, int d, int bs,
+                               float scale, int n_threads) {
+    job_t j = {q, q_tok_stride, kc, vc, table, table_stride, rows, seqs, klens, out, scratch,
+               scratch_per_thread, n_rows, nq, nkv, d, bs, scale, 0};
+    if (n_threads > 64) n_threads = 64;
+    if (n_threads > n_rows) n_threads = (int)n_rows;
+    if (n_threads < 1) n_threads = 1;
+    pthread_t th[64]; arg_t args[64];
+    for (int t = 0; t < n_threads; t++) args[t] = (arg_t){&j, t};
+    int started = 1;
+    for (int t = 1; t < n_threads; t++, started++)
+        if (pthread_create(&th[t], NULL, worker, &args[t]) != 0) break;
+    worker(&args[0]);
+    for (int t = 1; t < started; t++) pthread_join(th[t], NULL);
+    return 0;
+}
