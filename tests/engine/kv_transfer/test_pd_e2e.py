@@ -12,9 +12,18 @@ import httpx
 import pytest
 
 from tandem_engine.kv_transfer import side_channel
-from tests.engine.engine_server import Server, stop
 from tests.engine.core.test_engine_lifecycle import cpu_seconds, engine_pids
-from tests.engine.kv_transfer.pd_proxy import completion, freeze, idle, kill, pd_completion, prefill, start_pair, wait_for
+from tests.engine.engine_server import Server, stop
+from tests.engine.kv_transfer.pd_proxy import (
+    completion,
+    freeze,
+    idle,
+    kill,
+    pd_completion,
+    prefill,
+    start_pair,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,9 @@
 """The one module that imports `nixl`: a thin agent wrapper with exactly the calls the connector makes.
 
-Block accounting is unit-tested against an in-memory double of this class (tests/engine/kv_transfer/test_kv_connector.py);
-the real path runs end to end between two engine processes. PyPI's `nixl` meta package pulls both CUDA
-builds, so the project depends on `nixl-cu12` (import name `nixl_cu12`); `nixl` is tried first so an
+Block accounting is unit-tested against an in-memory double of this class
+(tests/engine/kv_transfer/test_kv_connector.py); the real path runs end to end between two engine
+processes. PyPI's `nixl` meta package pulls both CUDA builds, so the project depends on `nixl-cu12`
+(import name `nixl_cu12`); `nixl` is tried first so an
 installed meta package or a source build also works.
 """
 
