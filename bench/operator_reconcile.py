@@ -203,7 +203,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {b['services']} services Ready after the kubelet reports "
             f"| {b['all_ready_after_reports_s']:.2f} s |",
             "",
-            "Target (DESIGN.md section 8): a new InferenceService's children exist within 2 s.",
+            "Target ([docs/benchmarks.md](../../docs/benchmarks.md#targets)): a new InferenceService's children "
+            "exist within 2 s.",
             "",
         ]
     )

@@ -1,7 +1,7 @@
 """P/D against colocated: TTFT at low load, and inter-token latency of running decodes while long prompts
 arrive (the interference disaggregation removes). Starts real `tandem serve` processes: one colocated
 engine with `--num-threads 2`, then a prefill and a decode engine with `--num-threads 1` each (the same
-two cores in total), and drives P/D the way DESIGN.md section 4 says (prefill with max_tokens=1, then
+two cores in total), and drives P/D the way docs/architecture.md describes it (prefill with max_tokens=1, then
 decode with the returned kv_transfer_params). Results and a plot go to bench/results/.
 
     .venv/bin/python bench/pd_latency.py [--long-len 1500 --streams 3 --arrivals 4]

@@ -2,7 +2,7 @@
 
 Two backends, each behind its own router process:
   - stub:   an instant OpenAI upstream (answers at once), so the difference is the router alone;
-  - engine: a real `tandem serve` on the embedded model, max_tokens=1 (the DESIGN.md target).
+  - engine: a real `tandem serve` on the embedded model, max_tokens=1 (docs/benchmarks.md, "Targets").
 Requests are sequential, each pair (direct, routed) in random order, so that machine noise hits
 both sides alike. Results: bench/results/router_overhead.{json,md,png}.
 
@@ -171,9 +171,9 @@ def write_markdown(meta: dict[str, Any]) -> None:
         )
     lines += [
         "",
-        "Target (DESIGN.md section 8): at most 2 ms p50 above direct access. The stub row is the router's "
-        "own cost (an upstream that answers at once); behind a real engine the difference is within the "
-        "noise of the engine's latency on this shared machine (std. error column).",
+        "Target ([docs/benchmarks.md](../../docs/benchmarks.md#targets)): at most 2 ms p50 above direct access. "
+        "The stub row is the router's own cost (an upstream that answers at once); behind a real engine the "
+        "difference is within the noise of the engine's latency on this shared machine (std. error column).",
         "",
         "![latency CDFs](router_overhead.png)",
         "",

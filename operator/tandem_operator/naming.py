@@ -1,4 +1,4 @@
-"""Deterministic child names and the labels every child and pod carries (DESIGN.md section 6)."""
+"""Deterministic child names and the labels every child and pod carries (docs/crd-reference.md, "Children")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """KMock 0.8's Kubernetes emulator made realistic enough for kopf, kubectl and Helm (see
-shared/reference/kmock.md).
+docs/kubernetes-testbed.md, "What still runs against KMock").
 
 Stock kmock stores objects exactly as sent. kopf relies on apiserver behaviour it lacks:
 server-set ``uid``/``resourceVersion``/``generation``, watches that resume from a

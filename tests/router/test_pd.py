@@ -1,4 +1,5 @@
-"""The P/D flow (DESIGN.md section 4) against test upstreams acting as prefill and decode engines."""
+"""The P/D flow (docs/architecture.md, "The P/D request flow") against test upstreams acting as prefill and
+decode engines."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from tandem_router.server import start_server
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "TANDEM_API_KEY"
-ROLE_LABEL = "serving.tandem.dev/role"  # on every engine pod and Service (DESIGN.md section 6)
+ROLE_LABEL = "serving.tandem.dev/role"  # on every engine pod and Service (docs/contracts.md, "Labels, annotations")
 
 
 def _urls(value: str) -> list[str]:

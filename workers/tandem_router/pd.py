@@ -1,4 +1,4 @@
-"""The prefill -> decode flow (DESIGN.md section 4), decided per request.
+"""The prefill -> decode flow (docs/architecture.md, "The P/D request flow"), decided per request.
 
 The decode endpoint is picked first, so the router knows how much of the prompt that endpoint already
 holds. When the uncached part is short (at most `remote_prefill_threshold` tokens), or no prefill

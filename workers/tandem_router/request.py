@@ -99,7 +99,7 @@ def routing_request(
 
 
 def prefill_body(req: ParsedRequest) -> dict[str, Any]:
-    """The request sent to a prefill engine (DESIGN.md section 4, step 1)."""
+    """The request sent to a prefill engine (docs/architecture.md, "The P/D request flow", step 2)."""
     body = dict(req.body)
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:

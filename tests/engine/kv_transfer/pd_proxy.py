@@ -1,4 +1,5 @@
-"""A small in-test P/D proxy (DESIGN.md section 4, steps 1-3) and helpers for the P/D end-to-end tests.
+"""A small in-test P/D proxy (docs/architecture.md, "The P/D request flow", steps 1-3) and helpers for
+the P/D end-to-end tests.
 
 `pd_completion` does what vLLM's toy proxy does: the request goes to prefill with `max_tokens=1`,
 `stream=false`, no `min_tokens` and `kv_transfer_params={"do_remote_decode": true}`; the returned
