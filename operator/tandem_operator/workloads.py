@@ -9,7 +9,7 @@ from typing import Any
 from tandem_operator.args import MODEL_DIR, engine_command, router_command
 from tandem_operator.naming import (
     ANNOTATION_CONFIG_HASH,
-    Role,
+    Component,
     child_labels,
     config_name,
     router_account_name,
@@ -167,7 +167,7 @@ def _model_download(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
 
 
 def _deployment(
-    spec: InferenceServiceSpec, role: Role, replicas: int, pod: dict[str, Any], progress_deadline: int
+    spec: InferenceServiceSpec, role: Component, replicas: int, pod: dict[str, Any], progress_deadline: int
 ) -> dict[str, Any]:
     name = workload_name(spec.name, role)
     return {
@@ -186,7 +186,7 @@ def _deployment(
 
 
 def _finish_pod(
-    spec: InferenceServiceSpec, role: Role, pod: dict[str, Any], overrides: dict[str, Any]
+    spec: InferenceServiceSpec, role: Component, pod: dict[str, Any], overrides: dict[str, Any]
 ) -> dict[str, Any]:
     merged = merge_overrides(pod, overrides)
     # Overrides may add labels but never change the ones the selector and the router rely on.
@@ -194,9 +194,9 @@ def _finish_pod(
     return merged
 
 
-def build_engine_deployment(spec: InferenceServiceSpec, role: Role, config_hash: str) -> dict[str, Any]:
+def build_engine_deployment(spec: InferenceServiceSpec, role: Component, config_hash: str) -> dict[str, Any]:
     """The Deployment of the prefill or decode engines (decode runs `--role both` when colocated)."""
-    role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
+    role_spec: RoleSpec = spec.prefill if role is Component.PREFILL else spec.decode
     command = engine_command(spec, role)
     volumes, mounts = _engine_volumes(spec)
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
@@ -275,7 +275,7 @@ def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
     if r.resources:
         container["resources"] = copy.deepcopy(r.resources)
     pod: dict[str, Any] = {
-        "metadata": {"labels": child_labels(spec.name, Role.ROUTER)},
+        "metadata": {"labels": child_labels(spec.name, Component.ROUTER)},
         "spec": {
             "serviceAccountName": router_account_name(spec.name),
             "automountServiceAccountToken": r.discovery == "Kubernetes",
@@ -286,5 +286,5 @@ def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
             "volumes": [{"name": "tmp", "emptyDir": {}}],
         },
     }
-    pod = _finish_pod(spec, Role.ROUTER, pod, r.pod_template)
-    return _deployment(spec, Role.ROUTER, r.replicas, pod, progress_deadline=600)
+    pod = _finish_pod(spec, Component.ROUTER, pod, r.pod_template)
+    return _deployment(spec, Component.ROUTER, r.replicas, pod, progress_deadline=600)
