@@ -9,7 +9,6 @@ from tandem_operator.args import config_hash, config_json
 from tandem_operator.naming import (
     LABEL_ISVC,
     Component,
-    child_labels,
     config_name,
     engine_components,
     router_account_name,
@@ -17,11 +16,7 @@ from tandem_operator.naming import (
     workload_name,
 )
 from tandem_operator.spec import InferenceServiceSpec
-from tandem_operator.workloads import build_engine_deployment, build_router_deployment
-
-
-def _meta(spec: InferenceServiceSpec, name: str, role: Component | None) -> dict[str, Any]:
-    return {"name": name, "namespace": spec.namespace, "labels": child_labels(spec.name, role)}
+from tandem_operator.workloads import build_engine_deployment, build_router_deployment, child_meta
 
 
 def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -29,7 +24,7 @@ def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(spec, config_name(spec.name), None),
+        "metadata": child_meta(spec, config_name(spec.name), None),
         "data": {"engine-config.json": config_json(spec), "config-hash": config_hash(spec)},
     }
 
@@ -51,7 +46,7 @@ def build_engine_service(spec: InferenceServiceSpec, role: Component) -> dict[st
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, workload_name(spec.name, role), role),
+        "metadata": child_meta(spec, workload_name(spec.name, role), role),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
@@ -65,7 +60,7 @@ def build_router_service(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, workload_name(spec.name, Component.ROUTER), Component.ROUTER),
+        "metadata": child_meta(spec, workload_name(spec.name, Component.ROUTER), Component.ROUTER),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(spec.name, Component.ROUTER),
@@ -82,7 +77,7 @@ def build_router_service_account(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": _meta(spec, router_account_name(spec.name), Component.ROUTER),
+        "metadata": child_meta(spec, router_account_name(spec.name), Component.ROUTER),
         "automountServiceAccountToken": False,
     }
 
@@ -92,7 +87,7 @@ def build_router_role(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": _meta(spec, router_account_name(spec.name), Component.ROUTER),
+        "metadata": child_meta(spec, router_account_name(spec.name), Component.ROUTER),
         "rules": [
             {
                 "apiGroups": ["discovery.k8s.io"],
@@ -108,7 +103,7 @@ def build_router_role_binding(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": _meta(spec, name, Component.ROUTER),
+        "metadata": child_meta(spec, name, Component.ROUTER),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
     }
