@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any
 
-from tandem_operator.naming import LABEL_ISVC, Role, service_host
+from tandem_operator.naming import LABEL_ISVC, Component, engine_components, service_host
 from tandem_operator.spec import ROUTER_POLICIES, InferenceServiceSpec
 
 MODEL_DIR = "/models"
@@ -29,10 +29,10 @@ def model_path(spec: InferenceServiceSpec) -> str:
     return uri
 
 
-def engine_role_flag(spec: InferenceServiceSpec, role: Role) -> str:
+def engine_role_flag(spec: InferenceServiceSpec, role: Component) -> str:
     if not spec.disaggregated:
         return "both"
-    return "prefill" if role is Role.PREFILL else "decode"
+    return "prefill" if role is Component.PREFILL else "decode"
 
 
 def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
@@ -61,7 +61,7 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
     return args
 
 
-def engine_command(spec: InferenceServiceSpec, role: Role) -> list[str]:
+def engine_command(spec: InferenceServiceSpec, role: Component) -> list[str]:
     # Decode engines reach a prefill engine's side channel at the address it advertises in
     # kv_transfer_params: the pod's own IP (the kubelet expands $(POD_IP) from the container's env).
     kv_host = ["--kv-host", "$(POD_IP)"] if spec.disaggregated else []
@@ -79,10 +79,10 @@ def engine_command(spec: InferenceServiceSpec, role: Role) -> list[str]:
 def router_command(spec: InferenceServiceSpec) -> list[str]:
     r = spec.router
     port = spec.engine.port
-    decode = f"http://{service_host(spec.name, spec.namespace, Role.DECODE)}:{port}"
+    decode = f"http://{service_host(spec.name, spec.namespace, Component.DECODE)}:{port}"
     args = ["tandem", "route", "--host", "0.0.0.0", "--port", str(r.port), "--decode", decode]
     if spec.disaggregated:
-        args += ["--prefill", f"http://{service_host(spec.name, spec.namespace, Role.PREFILL)}:{port}"]
+        args += ["--prefill", f"http://{service_host(spec.name, spec.namespace, Component.PREFILL)}:{port}"]
     args += ["--policy", ROUTER_POLICIES[r.policy]]
     if r.discovery == "Kubernetes":
         # The router adds the role label itself, per pool.
@@ -128,11 +128,7 @@ def engine_config(spec: InferenceServiceSpec) -> dict[str, Any]:
             "ucxNetDevices": kv.ucx_net_devices,
         },
         "mode": "disaggregated" if spec.disaggregated else "colocated",
-        "args": {
-            role.value: engine_command(spec, role)
-            for role in (Role.PREFILL, Role.DECODE)
-            if role is Role.DECODE or spec.disaggregated
-        },
+        "args": {role.value: engine_command(spec, role) for role in engine_components(spec.disaggregated)},
     }
 
 

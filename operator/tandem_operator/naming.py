@@ -15,17 +15,22 @@ MANAGED_BY = "tandem-operator"
 MAX_NAME_LENGTH = 40
 
 
-class Role(StrEnum):
+class Component(StrEnum):
+    """One of an InferenceService's workloads (a Deployment and its Service); the value is the name suffix
+    and the `role` / `app.kubernetes.io/component` label of its children."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"
 
 
-ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
+def engine_components(disaggregated: bool) -> tuple[Component, ...]:
+    """The engine workloads a service runs: decode alone (colocated, `--role both`) or prefill and decode."""
+    return (Component.PREFILL, Component.DECODE) if disaggregated else (Component.DECODE,)
 
 
-def workload_name(isvc: str, role: Role) -> str:
-    """Name of a role's Deployment; its Service has the same name."""
+def workload_name(isvc: str, role: Component) -> str:
+    """Name of a component's Deployment; its Service has the same name."""
     return f"{isvc}-{role.value}"
 
 
@@ -38,12 +43,12 @@ def router_account_name(isvc: str) -> str:
     return f"{isvc}-router"
 
 
-def selector_labels(isvc: str, role: Role) -> dict[str, str]:
-    """The labels a role's Deployment and Service select pods by (immutable once created)."""
+def selector_labels(isvc: str, role: Component) -> dict[str, str]:
+    """The labels a component's Deployment and Service select pods by (immutable once created)."""
     return {LABEL_ISVC: isvc, LABEL_ROLE: role.value}
 
 
-def child_labels(isvc: str, role: Role | None) -> dict[str, str]:
+def child_labels(isvc: str, role: Component | None) -> dict[str, str]:
     labels = {
         LABEL_ISVC: isvc,
         "app.kubernetes.io/name": "tandem",
@@ -56,5 +61,5 @@ def child_labels(isvc: str, role: Role | None) -> dict[str, str]:
     return labels
 
 
-def service_host(isvc: str, namespace: str, role: Role) -> str:
+def service_host(isvc: str, namespace: str, role: Component) -> str:
     return f"{workload_name(isvc, role)}.{namespace}.svc"

@@ -24,7 +24,7 @@ import kopf
 
 from tandem_operator import GROUP
 from tandem_operator.kube import KubeClient, KubeError
-from tandem_operator.naming import Role, workload_name
+from tandem_operator.naming import Component, workload_name
 from tandem_operator.resources import build_children, child_key
 from tandem_operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from tandem_operator.status import compute_status, invalid_status, same_status
@@ -269,7 +269,7 @@ class Reconciler:
 
         deployments = {
             role: _as_dict(fresh.get(("Deployment", workload_name(name, role))))
-            for role in (Role.PREFILL, Role.DECODE, Role.ROUTER)
+            for role in (Component.PREFILL, Component.DECODE, Component.ROUTER)
         }
         status = compute_status(spec, generation, deployments, current_status)
         await self._write_status(state, namespace, name, current_status, status, outcome, from_child)

@@ -7,21 +7,16 @@ from typing import Any
 
 from tandem_operator.args import config_hash, config_json
 from tandem_operator.naming import (
-    ENGINE_ROLES,
     LABEL_ISVC,
-    Role,
-    child_labels,
+    Component,
     config_name,
+    engine_components,
     router_account_name,
     selector_labels,
     workload_name,
 )
 from tandem_operator.spec import InferenceServiceSpec
-from tandem_operator.workloads import build_engine_deployment, build_router_deployment
-
-
-def _meta(spec: InferenceServiceSpec, name: str, role: Role | None) -> dict[str, Any]:
-    return {"name": name, "namespace": spec.namespace, "labels": child_labels(spec.name, role)}
+from tandem_operator.workloads import build_engine_deployment, build_router_deployment, child_meta
 
 
 def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -29,12 +24,12 @@ def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(spec, config_name(spec.name), None),
+        "metadata": child_meta(spec, config_name(spec.name), None),
         "data": {"engine-config.json": config_json(spec), "config-hash": config_hash(spec)},
     }
 
 
-def build_engine_service(spec: InferenceServiceSpec, role: Role) -> dict[str, Any]:
+def build_engine_service(spec: InferenceServiceSpec, role: Component) -> dict[str, Any]:
     """A headless Service per engine role; its EndpointSlices inherit the labels the router selects on."""
     ports: list[dict[str, Any]] = [
         {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}
@@ -51,7 +46,7 @@ def build_engine_service(spec: InferenceServiceSpec, role: Role) -> dict[str, An
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, workload_name(spec.name, role), role),
+        "metadata": child_meta(spec, workload_name(spec.name, role), role),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
@@ -65,24 +60,24 @@ def build_router_service(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, workload_name(spec.name, Role.ROUTER), Role.ROUTER),
+        "metadata": child_meta(spec, workload_name(spec.name, Component.ROUTER), Component.ROUTER),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(spec.name, Role.ROUTER),
+            "selector": selector_labels(spec.name, Component.ROUTER),
             "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 
 
 def router_url(spec: InferenceServiceSpec) -> str:
-    return f"http://{workload_name(spec.name, Role.ROUTER)}.{spec.namespace}.svc"
+    return f"http://{workload_name(spec.name, Component.ROUTER)}.{spec.namespace}.svc"
 
 
 def build_router_service_account(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": _meta(spec, router_account_name(spec.name), Role.ROUTER),
+        "metadata": child_meta(spec, router_account_name(spec.name), Component.ROUTER),
         "automountServiceAccountToken": False,
     }
 
@@ -92,7 +87,7 @@ def build_router_role(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": _meta(spec, router_account_name(spec.name), Role.ROUTER),
+        "metadata": child_meta(spec, router_account_name(spec.name), Component.ROUTER),
         "rules": [
             {
                 "apiGroups": ["discovery.k8s.io"],
@@ -108,7 +103,7 @@ def build_router_role_binding(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": _meta(spec, name, Role.ROUTER),
+        "metadata": child_meta(spec, name, Component.ROUTER),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
     }
@@ -117,7 +112,7 @@ def build_router_role_binding(spec: InferenceServiceSpec) -> dict[str, Any]:
 def build_children(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """Every child the service should have, in creation order (config and RBAC before workloads)."""
     digest = config_hash(spec)
-    roles = [role for role in ENGINE_ROLES if role is Role.DECODE or spec.disaggregated]
+    roles = engine_components(spec.disaggregated)
     children: list[dict[str, Any]] = [build_config_map(spec)]
     if spec.router.discovery == "Kubernetes":
         children += [

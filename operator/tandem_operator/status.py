@@ -11,12 +11,12 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_operator.naming import Role
+from tandem_operator.naming import Component
 from tandem_operator.resources import router_url
 from tandem_operator.spec import InferenceServiceSpec
 
 CONDITION_TYPES = ("PrefillReady", "DecodeReady", "RouterReady", "Ready")
-ROLE_CONDITION = {Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady", Role.ROUTER: "RouterReady"}
+ROLE_CONDITION = {Component.PREFILL: "PrefillReady", Component.DECODE: "DecodeReady", Component.ROUTER: "RouterReady"}
 
 
 @dataclass(frozen=True)
@@ -116,19 +116,19 @@ def _previous(current_status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def compute_status(
     spec: InferenceServiceSpec,
     generation: int,
-    deployments: dict[Role, dict[str, Any] | None],
+    deployments: dict[Component, dict[str, Any] | None],
     current_status: dict[str, Any],
 ) -> dict[str, Any]:
     """The full status for a valid spec, given the observed role Deployments."""
     previous = _previous(current_status)
     desired = {
-        Role.PREFILL: spec.prefill.replicas,
-        Role.DECODE: spec.decode.replicas,
-        Role.ROUTER: spec.router.replicas,
+        Component.PREFILL: spec.prefill.replicas,
+        Component.DECODE: spec.decode.replicas,
+        Component.ROUTER: spec.router.replicas,
     }
-    states: dict[Role, RoleState] = {}
-    for role in (Role.PREFILL, Role.DECODE, Role.ROUTER):
-        if role is Role.PREFILL and not spec.disaggregated:
+    states: dict[Component, RoleState] = {}
+    for role in (Component.PREFILL, Component.DECODE, Component.ROUTER):
+        if role is Component.PREFILL and not spec.disaggregated:
             continue
         states[role] = role_state(deployments.get(role), desired[role])
     conditions = []
@@ -168,9 +168,9 @@ def compute_status(
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": conditions,
-        "prefill": states[Role.PREFILL].as_status() if Role.PREFILL in states else None,
-        "decode": states[Role.DECODE].as_status(),
-        "router": states[Role.ROUTER].as_status(),
+        "prefill": states[Component.PREFILL].as_status() if Component.PREFILL in states else None,
+        "decode": states[Component.DECODE].as_status(),
+        "router": states[Component.ROUTER].as_status(),
         "endpoint": {"url": router_url(spec), "model": spec.model.served_name},
     }
     return status

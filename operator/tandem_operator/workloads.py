@@ -9,14 +9,14 @@ from typing import Any
 from tandem_operator.args import MODEL_DIR, engine_command, router_command
 from tandem_operator.naming import (
     ANNOTATION_CONFIG_HASH,
-    Role,
+    Component,
     child_labels,
     config_name,
     router_account_name,
     selector_labels,
     workload_name,
 )
-from tandem_operator.spec import InferenceServiceSpec, RoleSpec
+from tandem_operator.spec import InferenceServiceSpec, RoleSpec, RouterSpec
 
 PRESTOP_SECONDS = 5  # long enough for endpoint removal to reach the router before SIGTERM
 RUN_AS = 10001
@@ -166,16 +166,86 @@ def _model_download(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _deployment(
-    spec: InferenceServiceSpec, role: Role, replicas: int, pod: dict[str, Any], progress_deadline: int
+def child_meta(spec: InferenceServiceSpec, name: str, role: Component | None) -> dict[str, Any]:
+    """The metadata of every child: its name in the service's namespace, and the service's labels."""
+    return {"name": name, "namespace": spec.namespace, "labels": child_labels(spec.name, role)}
+
+
+def _server_container(
+    spec: InferenceServiceSpec,
+    name: str,
+    image: str,
+    command: list[str],
+    *,
+    ports: list[dict[str, Any]],
+    env: list[dict[str, Any]],
+    mounts: list[dict[str, Any]],
+    startup_probe: dict[str, Any],
+    liveness_failures: int,
+    resources: dict[str, Any],
 ) -> dict[str, Any]:
-    name = workload_name(spec.name, role)
+    """An HTTP server container: started and ready per /health, alive while its port accepts, drained by
+    preStop before SIGTERM."""
+    container: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": command[:1],
+        "args": command[1:],
+        "ports": ports,
+        "env": env,
+        "volumeMounts": mounts,
+        "startupProbe": startup_probe,
+        "readinessProbe": http_probe("http", period=5, failures=2),
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": liveness_failures,
+            "timeoutSeconds": 3,
+        },
+        "lifecycle": prestop_drain(),
+        "securityContext": container_security_context(),
+    }
+    if resources:
+        container["resources"] = copy.deepcopy(resources)
+    return container
+
+
+def _pod(
+    spec: InferenceServiceSpec,
+    role: Component,
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+    *,
+    grace_s: int,
+    account: str | None = None,
+    api_token: bool = False,
+) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {} if account is None else {"serviceAccountName": account}
+    pod_spec |= {
+        "automountServiceAccountToken": api_token,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": grace_s,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    return {"metadata": {"labels": child_labels(spec.name, role)}, "spec": pod_spec}
+
+
+def _deployment(
+    spec: InferenceServiceSpec, role: Component, of: RoleSpec | RouterSpec, pod: dict[str, Any], progress_deadline: int
+) -> dict[str, Any]:
+    """The Deployment of `of.replicas` pods, with the user's `of.pod_template` merged into `pod`."""
+    pod = merge_overrides(pod, of.pod_template)
+    # Overrides may add labels but never change the ones the selector and the router rely on.
+    pod.setdefault("metadata", {}).setdefault("labels", {}).update(child_labels(spec.name, role))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "namespace": spec.namespace, "labels": child_labels(spec.name, role)},
+        "metadata": child_meta(spec, workload_name(spec.name, role), role),
         "spec": {
-            "replicas": replicas,
+            "replicas": of.replicas,
             "selector": {"matchLabels": selector_labels(spec.name, role)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 5,
@@ -185,106 +255,56 @@ def _deployment(
     }
 
 
-def _finish_pod(
-    spec: InferenceServiceSpec, role: Role, pod: dict[str, Any], overrides: dict[str, Any]
-) -> dict[str, Any]:
-    merged = merge_overrides(pod, overrides)
-    # Overrides may add labels but never change the ones the selector and the router rely on.
-    merged.setdefault("metadata", {}).setdefault("labels", {}).update(child_labels(spec.name, role))
-    return merged
-
-
-def build_engine_deployment(spec: InferenceServiceSpec, role: Role, config_hash: str) -> dict[str, Any]:
+def build_engine_deployment(spec: InferenceServiceSpec, role: Component, config_hash: str) -> dict[str, Any]:
     """The Deployment of the prefill or decode engines (decode runs `--role both` when colocated)."""
-    role_spec: RoleSpec = spec.prefill if role is Role.PREFILL else spec.decode
-    command = engine_command(spec, role)
+    role_spec: RoleSpec = spec.prefill if role is Component.PREFILL else spec.decode
     volumes, mounts = _engine_volumes(spec)
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
     if spec.disaggregated and spec.kv_transfer is not None:
         ports.append(
             {"name": "kv-side", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"}
         )
-    container: dict[str, Any] = {
-        "name": ENGINE_CONTAINER,
-        "image": spec.engine.image,
-        "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": command[:1],
-        "args": command[1:],
-        "ports": ports,
-        "env": _engine_env(spec),
-        "volumeMounts": mounts,
-        "startupProbe": http_probe(
-            "http", period=10, failures=math.ceil(role_spec.startup_seconds / 10), timeout=5
-        ),
-        "readinessProbe": http_probe("http", period=5, failures=2),
-        "livenessProbe": {
-            "tcpSocket": {"port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 6,
-            "timeoutSeconds": 3,
-        },
-        "lifecycle": prestop_drain(),
-        "securityContext": container_security_context(),
-    }
-    if role_spec.resources:
-        container["resources"] = copy.deepcopy(role_spec.resources)
-    pod: dict[str, Any] = {
-        "metadata": {
-            "labels": child_labels(spec.name, role),
-            "annotations": {ANNOTATION_CONFIG_HASH: config_hash},
-        },
-        "spec": {
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": PRESTOP_SECONDS + role_spec.drain_seconds + 5,
-            "securityContext": pod_security_context(),
-            "containers": [container],
-            "volumes": volumes,
-        },
-    }
+    container = _server_container(
+        spec,
+        ENGINE_CONTAINER,
+        spec.engine.image,
+        engine_command(spec, role),
+        ports=ports,
+        env=_engine_env(spec),
+        mounts=mounts,
+        startup_probe=http_probe("http", period=10, failures=math.ceil(role_spec.startup_seconds / 10), timeout=5),
+        liveness_failures=6,
+        resources=role_spec.resources,
+    )
+    pod = _pod(spec, role, container, volumes, grace_s=PRESTOP_SECONDS + role_spec.drain_seconds + 5)
+    pod["metadata"]["annotations"] = {ANNOTATION_CONFIG_HASH: config_hash}
     init = _model_download(spec)
     if init:
         pod["spec"]["initContainers"] = init
-    pod = _finish_pod(spec, role, pod, role_spec.pod_template)
-    return _deployment(spec, role, role_spec.replicas, pod, progress_deadline=role_spec.startup_seconds + 600)
+    return _deployment(spec, role, role_spec, pod, progress_deadline=role_spec.startup_seconds + 600)
 
 
 def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
     r = spec.router
-    command = router_command(spec)
-    container: dict[str, Any] = {
-        "name": ROUTER_CONTAINER,
-        "image": r.image,
-        "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": command[:1],
-        "args": command[1:],
-        "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}],
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-        "startupProbe": http_probe("http", period=2, failures=60),
-        "readinessProbe": http_probe("http", period=5, failures=2),
-        "livenessProbe": {
-            "tcpSocket": {"port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-            "timeoutSeconds": 3,
-        },
-        "lifecycle": prestop_drain(),
-        "securityContext": container_security_context(),
-    }
-    if r.resources:
-        container["resources"] = copy.deepcopy(r.resources)
-    pod: dict[str, Any] = {
-        "metadata": {"labels": child_labels(spec.name, Role.ROUTER)},
-        "spec": {
-            "serviceAccountName": router_account_name(spec.name),
-            "automountServiceAccountToken": r.discovery == "Kubernetes",
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": PRESTOP_SECONDS + 30,
-            "securityContext": pod_security_context(),
-            "containers": [container],
-            "volumes": [{"name": "tmp", "emptyDir": {}}],
-        },
-    }
-    pod = _finish_pod(spec, Role.ROUTER, pod, r.pod_template)
-    return _deployment(spec, Role.ROUTER, r.replicas, pod, progress_deadline=600)
+    container = _server_container(
+        spec,
+        ROUTER_CONTAINER,
+        r.image,
+        router_command(spec),
+        ports=[{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
+        env=[{"name": "HOME", "value": "/tmp"}],
+        mounts=[{"name": "tmp", "mountPath": "/tmp"}],
+        startup_probe=http_probe("http", period=2, failures=60),
+        liveness_failures=3,
+        resources=r.resources,
+    )
+    pod = _pod(
+        spec,
+        Component.ROUTER,
+        container,
+        [{"name": "tmp", "emptyDir": {}}],
+        grace_s=PRESTOP_SECONDS + 30,
+        account=router_account_name(spec.name),
+        api_token=r.discovery == "Kubernetes",
+    )
+    return _deployment(spec, Component.ROUTER, r, pod, progress_deadline=600)

@@ -68,7 +68,6 @@ class PodStatus:
         self.main: list[ContainerRun] = []
         self.initialized = False
         self.waiting_message = ""
-        self.events_sent: set[tuple[str, str]] = set()
         self._transitions: dict[str, tuple[bool, str]] = {}
 
     def all(self) -> list[ContainerRun]:

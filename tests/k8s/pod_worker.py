@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
 from tests.k8s import container_runtime, process
 from tests.k8s.container_config import ConfigError, PodContext, container_argv, container_env, container_mounts
 from tests.k8s.kube import Kube
+from tests.k8s.pod_api import PodApi
 from tests.k8s.pod_network import PodNetwork, Sandbox
 from tests.k8s.pod_status import ContainerRun, PodStatus, rfc3339
 from tests.k8s.pod_volumes import PodVolumes, unsupported
@@ -59,6 +58,7 @@ class PodWorker:
         self.namespace: str = meta["namespace"]
         self.name: str = meta["name"]
         self.uid: str = meta["uid"]
+        self.api = PodApi(node.kube, node.node_name, self.namespace, self.name, self.uid)
         self._pod = pod
         self.pod_dir = node.work_dir / "pods" / f"{self.namespace}_{self.name}_{self.uid[:8]}"
         self.pod_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,6 @@ class PodWorker:
         self._wake = threading.Event()
         self._gone = threading.Event()  # the Pod object no longer exists: kill at once
         self._halt = threading.Event()  # the agent stops: kill at once, touch nothing in the API
-        self._last_reported: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._run, name=f"pod-{self.name}", daemon=True)
 
     @property
@@ -137,7 +136,7 @@ class PodWorker:
         problem = unsupported(self._pod)
         if problem:
             self.status.set_waiting_message(problem)
-            self._event("FailedMount", problem, "Warning")
+            self.api.event("FailedMount", problem, "Warning")
         else:
             self.sandbox = self.node.network.create(self.uid)
             self.status.pod_ip = self.sandbox.ip
@@ -153,7 +152,7 @@ class PodWorker:
                 if self._terminating:
                     if not any(r.proc for r in self.status.all()):
                         self._report()
-                        self._delete()
+                        self.api.delete()
                         return
                 elif not problem:
                     self._step()
@@ -169,7 +168,7 @@ class PodWorker:
                 self.status.set_waiting_message("")
             except ConfigError as e:  # a ConfigMap not there yet, say: kubelet retries, and so do we
                 self.status.set_waiting_message(str(e))
-                self._event("FailedMount", str(e), "Warning", once=True)
+                self.api.event("FailedMount", str(e), "Warning", once=True)
                 return
         if not self.status.initialized:
             pending = next((r for r in self.status.init if not r.succeeded), None)
@@ -206,7 +205,7 @@ class PodWorker:
         except ConfigError as e:
             run.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
             run.restart_at = time.monotonic() + 2.0
-            self._event("Failed", f"Error: {e}", "Warning", once=True)
+            self.api.event("Failed", f"Error: {e}", "Warning", once=True)
             return
         if run.run_id:
             run.restart_count += 1
@@ -221,12 +220,12 @@ class PodWorker:
         run.restart_at = None
         run.started = run.ready = False
         logger.info("[pod] %s/%s: started %s (pid %s)", self.namespace, self.name, run.name, run.proc.pid)
-        self._event("Started", f"Started container {run.name}")
+        self.api.event("Started", f"Started container {run.name}")
         post_start = (spec.get("lifecycle") or {}).get("postStart")
         if post_start:
             ok, message = run_handler(post_start, self._target(run), 30.0)
             if not ok:
-                self._event("FailedPostStartHook", message, "Warning")
+                self.api.event("FailedPostStartHook", message, "Warning")
                 self._kill(run, f"PostStartHook failed: {message}")
                 return
         if run.init:
@@ -260,7 +259,7 @@ class PodWorker:
             if run.run_id != run_id or run.proc is None or run.stopping:
                 return
             if not ok:
-                self._event("Unhealthy", f"{kind.capitalize()} probe failed: {message}", "Warning")
+                self.api.event("Unhealthy", f"{kind.capitalize()} probe failed: {message}", "Warning")
             if kind == "startup":
                 if ok:
                     self._on_started(run)
@@ -277,7 +276,7 @@ class PodWorker:
         probe = run.spec.get("livenessProbe") or {}
         if "liveness" in why and probe.get("terminationGracePeriodSeconds") is not None:
             grace = probe["terminationGracePeriodSeconds"]
-        self._event("Killing", why)
+        self.api.event("Killing", why)
         self._stop_container(run, float(grace))
 
     def _stop_container(self, run: ContainerRun, grace_s: float) -> None:
@@ -294,7 +293,7 @@ class PodWorker:
             if pre_stop:
                 ok, message = run_handler(pre_stop, target, grace_s)
                 if not ok:
-                    self._event("FailedPreStopHook", f"PreStopHook failed: {message}", "Warning")
+                    self.api.event("FailedPreStopHook", f"PreStopHook failed: {message}", "Warning")
             process.stop(proc, grace_s=max(MIN_GRACE_S, grace_s - (time.monotonic() - began)))
             self._wake.set()
 
@@ -352,15 +351,8 @@ class PodWorker:
         for run in self.status.all():
             run.restart_at = None
             if run.proc is not None:
-                self._event("Killing", f"Stopping container {run.name}")
+                self.api.event("Killing", f"Stopping container {run.name}")
                 self._stop_container(run, float(grace))
-
-    def _delete(self) -> None:
-        try:
-            self.node.kube.delete(self._path, {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
-        except ApiException as e:
-            if e.status not in (404, 409):
-                raise
 
     def _teardown(self) -> None:
         self.node.network.destroy(self.uid)
@@ -370,10 +362,6 @@ class PodWorker:
 
     # -- the API ------------------------------------------------------------------------------------------
 
-    @property
-    def _path(self) -> str:
-        return f"/api/v1/namespaces/{self.namespace}/pods/{self.name}"
-
     def log_path(self, container: str) -> Path:
         return self.pod_dir / f"{container}.log"
 
@@ -382,34 +370,5 @@ class PodWorker:
             return
         with self._lock:
             status = self.status.render(self.uid)
-        if status == self._last_reported:
-            return
-        try:
-            self.node.kube.patch(f"{self._path}/status", {"status": status})
-            self._last_reported = status
-        except ApiException as e:
-            if e.status == 404:
-                self._gone.set()
-            else:
-                logger.warning("[pod] %s/%s: status update failed: %s", self.namespace, self.name, e.reason)
-
-    def _event(self, reason: str, message: str, kind: str = "Normal", once: bool = False) -> None:
-        key = (reason, message)
-        if once and key in self.status.events_sent:
-            return
-        self.status.events_sent.add(key)
-        now = rfc3339()
-        body = {
-            "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": self.namespace, "name": self.name,
-                               "uid": self.uid},
-            "reason": reason, "message": message[:1024], "type": kind, "count": 1,
-            "firstTimestamp": now, "lastTimestamp": now,
-            "source": {"component": "kubelet", "host": self.node.node_name},
-            "reportingComponent": "kubelet", "reportingInstance": self.node.node_name,
-        }
-        try:
-            self.node.kube.post(f"/api/v1/namespaces/{self.namespace}/events", body)
-        except ApiException as e:
-            logger.debug("event %s for %s/%s not recorded: %s", reason, self.namespace, self.name, e.reason)
-
+        if not self.api.write_status(status):
+            self._gone.set()

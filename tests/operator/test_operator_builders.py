@@ -13,7 +13,7 @@ import pytest
 from isvc_utils import example
 
 from tandem_operator.args import config_hash, engine_command, router_command, shared_engine_args
-from tandem_operator.naming import LABEL_ISVC, LABEL_ROLE, Role
+from tandem_operator.naming import LABEL_ISVC, LABEL_ROLE, Component
 from tandem_operator.resources import build_children, build_engine_service, build_router_role
 from tandem_operator.spec import SpecError, parse_spec
 from tandem_operator.workloads import build_engine_deployment, build_router_deployment, merge_overrides
@@ -132,7 +132,7 @@ def test_pods_are_hardened(variant: str) -> None:
 
 def test_prefill_and_decode_cannot_disagree() -> None:
     spec = parse_spec(body())
-    prefill, decode = engine_command(spec, Role.PREFILL), engine_command(spec, Role.DECODE)
+    prefill, decode = engine_command(spec, Component.PREFILL), engine_command(spec, Component.DECODE)
     shared = shared_engine_args(spec)
     assert prefill[:2] == decode[:2] == ["tandem", "serve"]
     assert prefill[2 : 2 + len(shared)] == decode[2 : 2 + len(shared)] == shared
@@ -160,8 +160,8 @@ def test_prefill_and_decode_cannot_disagree() -> None:
         "5600",
     ]
     digest = config_hash(spec)
-    p_dep = build_engine_deployment(spec, Role.PREFILL, digest)
-    d_dep = build_engine_deployment(spec, Role.DECODE, digest)
+    p_dep = build_engine_deployment(spec, Component.PREFILL, digest)
+    d_dep = build_engine_deployment(spec, Component.DECODE, digest)
     key = "serving.tandem.dev/config-hash"
     assert p_dep["spec"]["template"]["metadata"]["annotations"][key] == digest
     assert d_dep["spec"]["template"]["metadata"]["annotations"][key] == digest
@@ -171,7 +171,7 @@ def test_prefill_and_decode_cannot_disagree() -> None:
 
 def test_startup_budget_and_colocated_role() -> None:
     spec = parse_spec(body("colocated", decode={"startup": {"maxSeconds": 7200}, "replicas": 2}))
-    dep = build_engine_deployment(spec, Role.DECODE, "h")
+    dep = build_engine_deployment(spec, Component.DECODE, "h")
     probe = dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] == 7200
     assert dep["spec"]["progressDeadlineSeconds"] > 7200
@@ -180,8 +180,8 @@ def test_startup_budget_and_colocated_role() -> None:
     assert "--kv-host" not in args
 
 
-@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
-def test_disaggregated_engines_advertise_their_pod_ip_for_kv_transfer(role: Role) -> None:
+@pytest.mark.parametrize("role", [Component.PREFILL, Component.DECODE])
+def test_disaggregated_engines_advertise_their_pod_ip_for_kv_transfer(role: Component) -> None:
     (container,) = build_engine_deployment(parse_spec(body()), role, "h")["spec"]["template"]["spec"]["containers"]
     args = container["args"]
     assert args[args.index("--kv-host") + 1] == "$(POD_IP)"
@@ -218,13 +218,13 @@ def test_router_command_lines() -> None:
 
 def test_model_sources() -> None:
     pvc = parse_spec(VARIANTS["pvc-overrides"])
-    dep = build_engine_deployment(pvc, Role.DECODE, "h")
+    dep = build_engine_deployment(pvc, Component.DECODE, "h")
     pod = dep["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/llama/3.1-8b"
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
     hf = parse_spec(VARIANTS["hf-static-router"])
-    pod = build_engine_deployment(hf, Role.PREFILL, "h")["spec"]["template"]["spec"]
+    pod = build_engine_deployment(hf, Component.PREFILL, "h")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["args"][:2] == ["download", "HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert init["args"][-2:] == ["--revision", "12fd25f"]
@@ -232,7 +232,7 @@ def test_model_sources() -> None:
 
 
 def test_pod_template_overrides_merge_but_keep_selector_labels() -> None:
-    dep = build_engine_deployment(parse_spec(VARIANTS["pvc-overrides"]), Role.DECODE, "h")
+    dep = build_engine_deployment(parse_spec(VARIANTS["pvc-overrides"]), Component.DECODE, "h")
     tmpl = dep["spec"]["template"]
     assert tmpl["metadata"]["labels"]["team"] == "a"
     assert tmpl["metadata"]["labels"][LABEL_ROLE] == "decode"
@@ -246,7 +246,7 @@ def test_pod_template_overrides_merge_but_keep_selector_labels() -> None:
 
 def test_services_and_rbac() -> None:
     spec = parse_spec(body())
-    svc = build_engine_service(spec, Role.PREFILL)
+    svc = build_engine_service(spec, Component.PREFILL)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
     assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "kv-side"}
     assert svc["metadata"]["labels"][LABEL_ROLE] == "prefill"  # EndpointSlices inherit these
@@ -261,7 +261,7 @@ def test_services_and_rbac() -> None:
     config = next(c for c in build_children(spec) if c["kind"] == "ConfigMap")
     doc = json.loads(config["data"]["engine-config.json"])
     assert doc["engine"]["blockSize"] == 16 and doc["mode"] == "disaggregated"
-    assert doc["args"]["prefill"] == engine_command(spec, Role.PREFILL)
+    assert doc["args"]["prefill"] == engine_command(spec, Component.PREFILL)
 
 
 def test_spec_errors_are_collected() -> None:
@@ -287,8 +287,8 @@ def test_spec_errors_are_collected() -> None:
         parse_spec({"metadata": {"name": "x"}})
 
 
-@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
-def test_engine_pods_pass_their_cpu_limit_to_the_engine(role: Role) -> None:
+@pytest.mark.parametrize("role", [Component.PREFILL, Component.DECODE])
+def test_engine_pods_pass_their_cpu_limit_to_the_engine(role: Component) -> None:
     """os.cpu_count() in a pod sees the node: the engine reads its CPU limit from the downward API."""
     from tandem_engine.cpu_budget import CPU_LIMIT_ENV, env_limit
 

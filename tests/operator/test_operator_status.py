@@ -9,7 +9,7 @@ from typing import Any
 from isvc_utils import REPO, example
 
 from tandem_operator.cli import kopf_args
-from tandem_operator.naming import Role
+from tandem_operator.naming import Component
 from tandem_operator.reconcile import contains, merge, removals
 from tandem_operator.spec import parse_spec
 from tandem_operator.status import compute_status, invalid_status, role_state, same_status
@@ -57,7 +57,7 @@ def test_role_state_reasons() -> None:
 
 def test_compute_status_and_stable_transition_times() -> None:
     spec = parse_spec(example("disaggregated", namespace="ns"))
-    deps = {Role.PREFILL: dep(1, 1), Role.DECODE: dep(2, 1), Role.ROUTER: dep(1, 1)}
+    deps = {Component.PREFILL: dep(1, 1), Component.DECODE: dep(2, 1), Component.ROUTER: dep(1, 1)}
     first = compute_status(spec, 5, deps, {})
     conds = {c["type"]: c for c in first["conditions"]}
     assert [c["type"] for c in first["conditions"]] == ["PrefillReady", "DecodeReady", "RouterReady", "Ready"]
@@ -71,7 +71,7 @@ def test_compute_status_and_stable_transition_times() -> None:
     assert again == first and same_status(first, again)
 
     old = dict(first, conditions=[dict(c, lastTransitionTime="2020-01-01T00:00:00Z") for c in first["conditions"]])
-    deps[Role.DECODE] = dep(2, 2)
+    deps[Component.DECODE] = dep(2, 2)
     ready = compute_status(spec, 5, deps, old)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
     assert times["PrefillReady"] == "2020-01-01T00:00:00Z"  # unchanged condition keeps its time
@@ -81,7 +81,7 @@ def test_compute_status_and_stable_transition_times() -> None:
 
 def test_colocated_status_drops_prefill() -> None:
     spec = parse_spec(example("colocated", namespace="ns"))
-    status = compute_status(spec, 1, {Role.DECODE: dep(1, 1), Role.ROUTER: dep(1, 1)}, {})
+    status = compute_status(spec, 1, {Component.DECODE: dep(1, 1), Component.ROUTER: dep(1, 1)}, {})
     assert status["prefill"] is None
     assert {c["type"]: c["reason"] for c in status["conditions"]}["PrefillReady"] == "Disabled"
     assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
@@ -90,7 +90,7 @@ def test_colocated_status_drops_prefill() -> None:
 
 def test_invalid_status_keeps_role_conditions() -> None:
     spec = parse_spec(example("colocated", namespace="ns"))
-    good = compute_status(spec, 1, {Role.DECODE: dep(1, 1), Role.ROUTER: dep(1, 1)}, {})
+    good = compute_status(spec, 1, {Component.DECODE: dep(1, 1), Component.ROUTER: dep(1, 1)}, {})
     bad = invalid_status(["spec.router.policy: unsupported"], 2, good)
     conds = {c["type"]: c for c in bad["conditions"]}
     assert conds["Ready"]["reason"] == "InvalidSpec" and conds["Ready"]["observedGeneration"] == 2

@@ -9,12 +9,12 @@ from tandem_router.policies import (
     SessionAffinity,
     load_bound,
 )
-from tandem_router.pool import Endpoint, Role
+from tandem_router.pool import Endpoint, PoolKind
 from tandem_router.prefix_index import PrefixIndex
 
 
 def eps(n: int) -> list[Endpoint]:
-    return [Endpoint(url=f"http://e{i}", role=Role.DECODE, healthy=True) for i in range(n)]
+    return [Endpoint(url=f"http://e{i}", role=PoolKind.DECODE, healthy=True) for i in range(n)]
 
 
 def req(text: str = "", session: str | None = None) -> RoutingRequest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -28,8 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem route", description="Route OpenAI requests to tandem engines.")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--decode", type=_urls, default=[], help="decode (or colocated) engine URLs, comma-separated")
-    p.add_argument("--prefill", type=_urls, default=[], help="prefill engine URLs; enables the P/D flow")
+    # Every dest is a RouterConfig field: config_from_args copies flags to fields by name.
+    p.add_argument("--decode", dest="decode_urls", type=_urls, default=[], metavar="URLS",
+                   help="decode (or colocated) engine URLs, comma-separated")
+    p.add_argument("--prefill", dest="prefill_urls", type=_urls, default=[], metavar="URLS",
+                   help="prefill engine URLs; enables the P/D flow")
     p.add_argument("--policy", choices=POLICIES, default=None, help="policy for both pools")
     p.add_argument("--decode-policy", choices=POLICIES, default=None)
     p.add_argument("--prefill-policy", choices=POLICIES, default=None)
@@ -72,41 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str]) -> RouterConfig:
+    """Flags are named after RouterConfig's fields; the few that are not (--policy, --selector, --log-level)
+    fill the fields they stand for here."""
     a = build_parser().parse_args(argv)
-    if a.discovery == "static" and not a.decode:
+    if a.discovery == "static" and not a.decode_urls:
         raise SystemExit("tandem route: --decode URL[,URL...] is required with static discovery")
     if a.selector:
         a.decode_selector = a.decode_selector or f"{a.selector},{ROLE_LABEL}=decode"
         a.prefill_selector = a.prefill_selector or f"{a.selector},{ROLE_LABEL}=prefill"
     if a.discovery == "kubernetes" and not a.decode_selector:
         raise SystemExit("tandem route: --selector or --decode-selector is required with kubernetes discovery")
-    return RouterConfig(
-        host=a.host,
-        port=a.port,
-        decode_urls=a.decode,
-        prefill_urls=a.prefill,
-        decode_policy=a.decode_policy or a.policy or RouterConfig.decode_policy,
-        prefill_policy=a.prefill_policy or a.policy or RouterConfig.prefill_policy,
-        discovery=a.discovery,
-        namespace=a.namespace,
-        decode_selector=a.decode_selector,
-        prefill_selector=a.prefill_selector,
-        port_name=a.port_name,
-        target_port=a.target_port,
-        kubeconfig=a.kubeconfig,
-        api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
-        session_header=a.session_header.lower(),
-        remote_prefill_threshold=a.remote_prefill_threshold,
-        load_factor=a.load_factor,
-        block_chars=a.block_chars,
-        index_capacity_blocks=a.index_capacity_blocks,
-        max_attempts=a.max_attempts,
-        connect_timeout=a.connect_timeout,
-        read_timeout=a.read_timeout,
-        request_timeout=a.request_timeout,
-        health_interval=a.health_interval,
-        health_failures=a.health_failures,
-    )
+    a.decode_policy = a.decode_policy or a.policy or RouterConfig.decode_policy
+    a.prefill_policy = a.prefill_policy or a.policy or RouterConfig.prefill_policy
+    a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
+    a.session_header = a.session_header.lower()
+    flags = vars(a)
+    return RouterConfig(**{f.name: flags[f.name] for f in dataclasses.fields(RouterConfig) if f.name in flags})
 
 
 async def serve(config: RouterConfig) -> None:

@@ -31,115 +31,59 @@ class Labelled(Generic[M]):
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Labelled(
-            Counter(
-                "tandem:router_requests_total",
-                "Requests answered by the router, by the endpoint that served them and the outcome",
-                ["route", "endpoint", "status"],
-                registry=r,
-            )
-        )
-        self.upstream_requests = Labelled(
-            Counter(
-                "tandem:router_upstream_requests_total",
-                "Requests sent to engines, by role, endpoint and outcome",
-                ["role", "endpoint", "outcome"],
-                registry=r,
-            )
-        )
-        self.routing_decisions = Labelled(
-            Counter(
-                "tandem:router_routing_decisions_total",
-                "Routing decisions by pool, policy, chosen endpoint and reason",
-                ["role", "policy", "endpoint", "reason"],
-                registry=r,
-            )
-        )
-        self.pd_decisions = Labelled(
-            Counter(
-                "tandem:router_pd_decisions_total",
-                "P/D decisions: remote prefill, local prefill on decode (short uncached prompt), or fallback",
-                ["decision"],
-                registry=r,
-            )
-        )
-        self.retries = Labelled(
-            Counter(
-                "tandem:router_retries_total",
-                "Upstream attempts retried on another endpoint",
-                ["role"],
-                registry=r,
-            )
-        )
+        counter, gauge, histogram = self._counter, self._gauge, self._histogram
+        # Requests and what became of them.
+        self.requests = counter("tandem:router_requests_total", ("route", "endpoint", "status"),
+                                "Requests answered by the router, by the endpoint that served them and the outcome")
+        self.upstream_requests = counter("tandem:router_upstream_requests_total", ("role", "endpoint", "outcome"),
+                                         "Requests sent to engines, by role, endpoint and outcome")
+        self.retries = counter("tandem:router_retries_total", ("role",),
+                               "Upstream attempts retried on another endpoint")
         self.client_disconnects = Counter(
             "tandem:router_client_disconnects_total", "Requests whose client went away", registry=r
         )
-        self.ttft = Labelled(
-            Histogram(
-                "tandem:router_time_to_first_token_seconds",
-                "Time from request arrival to the first byte of the answer, per endpoint",
-                ["endpoint"],
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            )
+        # Where they were sent, and why.
+        self.routing_decisions = counter(
+            "tandem:router_routing_decisions_total", ("role", "policy", "endpoint", "reason"),
+            "Routing decisions by pool, policy, chosen endpoint and reason",
         )
-        self.latency = Labelled(
-            Histogram(
-                "tandem:router_request_latency_seconds",
-                "End-to-end request latency through the router, per endpoint",
-                ["endpoint"],
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            )
+        self.pd_decisions = counter(
+            "tandem:router_pd_decisions_total", ("decision",),
+            "P/D decisions: remote prefill, local prefill on decode (short uncached prompt), or fallback",
         )
-        self.prefill_latency = Labelled(
-            Histogram(
-                "tandem:router_prefill_latency_seconds",
-                "Time spent on the remote prefill leg, per prefill endpoint",
-                ["endpoint"],
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            )
+        self.prefix_hit_ratio = histogram(
+            "tandem:router_prefix_match_ratio", ("role",),
+            "Share of the prompt's blocks the index places on the chosen endpoint",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
         )
+        # How long they took.
+        self.ttft = histogram("tandem:router_time_to_first_token_seconds", ("endpoint",),
+                              "Time from request arrival to the first byte of the answer, per endpoint")
+        self.latency = histogram("tandem:router_request_latency_seconds", ("endpoint",),
+                                 "End-to-end request latency through the router, per endpoint")
+        self.prefill_latency = histogram("tandem:router_prefill_latency_seconds", ("endpoint",),
+                                         "Time spent on the remote prefill leg, per prefill endpoint")
         self.overhead = Histogram(
-            "tandem:router_overhead_seconds",
-            "Router time before the upstream request is sent (parse, hash, pick)",
-            buckets=OVERHEAD_BUCKETS,
-            registry=r,
+            "tandem:router_overhead_seconds", "Router time before the upstream request is sent (parse, hash, pick)",
+            buckets=OVERHEAD_BUCKETS, registry=r,
         )
-        self.in_flight = Labelled(
-            Gauge(
-                "tandem:router_in_flight_requests",
-                "Requests in flight per endpoint",
-                ["role", "endpoint"],
-                registry=r,
-            )
-        )
-        self.in_flight_tokens = Labelled(
-            Gauge(
-                "tandem:router_in_flight_tokens",
-                "Estimated prompt + max output tokens in flight per endpoint",
-                ["role", "endpoint"],
-                registry=r,
-            )
-        )
-        self.healthy = Labelled(
-            Gauge(
-                "tandem:router_endpoint_healthy",
-                "1 when the endpoint is admitted",
-                ["role", "endpoint"],
-                registry=r,
-            )
-        )
-        self.prefix_hit_ratio = Labelled(
-            Histogram(
-                "tandem:router_prefix_match_ratio",
-                "Share of the prompt's blocks the index places on the chosen endpoint",
-                ["role"],
-                buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
-                registry=r,
-            )
-        )
+        # Each endpoint's state.
+        self.in_flight = gauge("tandem:router_in_flight_requests", "Requests in flight per endpoint")
+        self.in_flight_tokens = gauge("tandem:router_in_flight_tokens",
+                                      "Estimated prompt + max output tokens in flight per endpoint")
+        self.healthy = gauge("tandem:router_endpoint_healthy", "1 when the endpoint is admitted")
+
+    def _counter(self, name: str, labels: tuple[str, ...], doc: str) -> Labelled[Counter]:
+        return Labelled(Counter(name, doc, labels, registry=self.registry))
+
+    def _gauge(self, name: str, doc: str) -> Labelled[Gauge]:
+        """Per-endpoint gauges, all labelled by pool role and endpoint."""
+        return Labelled(Gauge(name, doc, ("role", "endpoint"), registry=self.registry))
+
+    def _histogram(
+        self, name: str, labels: tuple[str, ...], doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
+    ) -> Labelled[Histogram]:
+        return Labelled(Histogram(name, doc, labels, buckets=buckets, registry=self.registry))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,9 @@ from tandem_router.prefix_index import PrefixIndex
 logger = logging.getLogger(__name__)
 
 
-class Role(StrEnum):
+class PoolKind(StrEnum):
+    """Which pool an endpoint serves in; the value is the `role` label on the router's metrics."""
+
     PREFILL = "prefill"
     DECODE = "decode"  # a decode engine, or a colocated one when there is no prefill pool
 
@@ -20,7 +22,7 @@ class Role(StrEnum):
 @dataclass(eq=False)
 class Endpoint:
     url: str  # base URL without a trailing slash, e.g. http://10.0.0.7:8000
-    role: Role
+    role: PoolKind
     healthy: bool = False
     consecutive_failures: int = 0
     in_flight_requests: int = 0
@@ -44,9 +46,9 @@ HealthListener = Callable[[Endpoint, bool], None]
 
 
 class Pool:
-    """The endpoints of one role. Discovery sets the membership, health checks set `healthy`."""
+    """The endpoints of one kind (prefill or decode). Discovery sets the membership, health checks set `healthy`."""
 
-    def __init__(self, role: Role, index_capacity_blocks: int) -> None:
+    def __init__(self, role: PoolKind, index_capacity_blocks: int) -> None:
         self.role = role
         self.endpoints: dict[str, Endpoint] = {}
         self.index = PrefixIndex(index_capacity_blocks)

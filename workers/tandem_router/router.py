@@ -11,7 +11,7 @@ from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.health import HealthChecker
 from tandem_router.metrics import RouterMetrics
 from tandem_router.policies import Decision, Policy, PrefixAware, RoutingRequest, make_policy
-from tandem_router.pool import Endpoint, Pool, Role
+from tandem_router.pool import Endpoint, Pool, PoolKind
 
 logger = logging.getLogger(__name__)
 
@@ -20,11 +20,11 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.decode = Pool(Role.DECODE, config.index_capacity_blocks)
-        self.prefill = Pool(Role.PREFILL, config.index_capacity_blocks)
-        self.policies: dict[Role, Policy] = {
-            Role.DECODE: make_policy(config.decode_policy, config.load_factor, config.cold_key_blocks),
-            Role.PREFILL: make_policy(config.prefill_policy, config.load_factor, config.cold_key_blocks),
+        self.decode = Pool(PoolKind.DECODE, config.index_capacity_blocks)
+        self.prefill = Pool(PoolKind.PREFILL, config.index_capacity_blocks)
+        self.policies: dict[PoolKind, Policy] = {
+            PoolKind.DECODE: make_policy(config.decode_policy, config.load_factor, config.cold_key_blocks),
+            PoolKind.PREFILL: make_policy(config.prefill_policy, config.load_factor, config.cold_key_blocks),
         }
         # Whether anything reads prompt block hashes: a prefix-aware pool or the P/D decider.
         may_disaggregate = bool(config.prefill_urls or config.prefill_selector)
@@ -46,8 +46,8 @@ class Router:
         With Kubernetes discovery the pool is whatever prefill EndpointSlices exist right now."""
         return bool(self.prefill.endpoints)
 
-    def pool(self, role: Role) -> Pool:
-        return self.prefill if role is Role.PREFILL else self.decode
+    def pool(self, role: PoolKind) -> Pool:
+        return self.prefill if role is PoolKind.PREFILL else self.decode
 
     async def start(self) -> None:
         c = self.config
