@@ -115,23 +115,9 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
     [(rid, _, params, kv)] = engine.calls
     assert kv == {"do_remote_decode": True}
     assert resp["kv_transfer_params"] == {"remote_request_id": rid}
-    assert params == SamplingParams(
-        max_tokens=8,
-        min_tokens=2,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=5,
-        min_p=0.1,
-        seed=11,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        repetition_penalty=1.2,
-        stop=["zz", "q"],
-        stop_token_ids=[7],
-        include_stop_str_in_output=True,
-        ignore_eos=True,
-        skip_special_tokens=False,
-    )
+    # Every other field of the body is the SamplingParams field of the same name, with the same value.
+    sampling = {k: v for k, v in body.items() if k not in ("prompt", "kv_transfer_params")}
+    assert params == SamplingParams(**sampling)
     engine.reset()
     await client.post(
         "/v1/chat/completions", json={"messages": CHAT, "stop": "x", "kv_transfer_params": {"k": 1}}

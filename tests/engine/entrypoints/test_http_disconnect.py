@@ -15,6 +15,19 @@ import pytest
 from tandem_engine.entrypoints.api_server import build_app
 from tests.engine.entrypoints.toy_engine import CHAT, ServerThread, ToyEngine
 
+BOTH_ENDPOINTS = pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+
+
+@pytest.fixture
+def app(engine: ToyEngine, registry: prometheus_client.CollectorRegistry) -> Any:
+    return build_app(engine, registry)
+
+
+def wait_aborted(engine: ToyEngine) -> None:
+    deadline = time.monotonic() + 5
+    while not engine.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+
 
 async def call_asgi_until(
     app: Any, path: str, body: dict[str, Any], disconnect_when: Any
@@ -54,12 +67,9 @@ async def call_asgi_until(
     return sent
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_disconnect_non_streamed_aborts(
-    engine: ToyEngine, registry: prometheus_client.CollectorRegistry, path: str
-) -> None:
+@BOTH_ENDPOINTS
+async def test_disconnect_non_streamed_aborts(engine: ToyEngine, app: Any, path: str) -> None:
     engine.hang_after = 1
-    app = build_app(engine, registry)
     body = {"prompt": "hi", "messages": CHAT, "max_tokens": 10, "n": 2}
     await call_asgi_until(app, path, body, lambda sent: len(engine.calls) == 2)
     ids = sorted(c[0] for c in engine.calls)
@@ -67,12 +77,9 @@ async def test_disconnect_non_streamed_aborts(
     assert sorted(engine.aborted) == ids  # and abort was called for each unfinished request
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_disconnect_streamed_aborts(
-    engine: ToyEngine, registry: prometheus_client.CollectorRegistry, path: str
-) -> None:
+@BOTH_ENDPOINTS
+async def test_disconnect_streamed_aborts(engine: ToyEngine, app: Any, path: str) -> None:
     engine.hang_after = 2
-    app = build_app(engine, registry)
     body = {"prompt": "hi", "messages": CHAT, "max_tokens": 10, "stream": True}
 
     def after_first_token(sent: list[dict[str, Any]]) -> bool:
@@ -85,12 +92,9 @@ async def test_disconnect_streamed_aborts(
     assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_disconnect_before_the_first_token_aborts(
-    engine: ToyEngine, registry: prometheus_client.CollectorRegistry, path: str
-) -> None:
+@BOTH_ENDPOINTS
+async def test_disconnect_before_the_first_token_aborts(engine: ToyEngine, app: Any, path: str) -> None:
     engine.hang_after = 0  # a long prefill: the stream has not started when the client leaves
-    app = build_app(engine, registry)
     body = {"prompt": "hi", "messages": CHAT, "max_tokens": 10, "stream": True, "n": 2}
     await call_asgi_until(app, path, body, lambda sent: len(engine.calls) == 2)
     ids = sorted(c[0] for c in engine.calls)
@@ -114,9 +118,7 @@ def test_disconnect_through_a_real_server_aborts(server: ServerThread) -> None:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break
-    deadline = time.monotonic() + 5
-    while not server.engine.aborted and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_aborted(server.engine)
     [(rid, *_)] = server.engine.calls
     assert server.engine.aborted == [rid] and server.engine.cancelled == [rid]
 
@@ -124,9 +126,7 @@ def test_disconnect_through_a_real_server_aborts(server: ServerThread) -> None:
     server.engine.hang_after = 1
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=0.3)
-    deadline = time.monotonic() + 5
-    while not server.engine.aborted and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_aborted(server.engine)
     [(rid, *_)] = server.engine.calls
     assert server.engine.aborted == [rid]
 

@@ -316,20 +316,23 @@ class Answer(OpenAIModel, Generic[ChoiceT]):
     usage: UsageInfo | None = None
 
 
-class CompletionResponse(Answer[CompletionChoice]):
-    object: Literal["text_completion"] = "text_completion"
+class WholeAnswer(Answer[ChoiceT], Generic[ChoiceT]):
+    """A non-streamed answer: usage always, and the KV handle a prefill-only request leaves."""
+
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionResponse(WholeAnswer[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
 
 
 class CompletionStreamResponse(Answer[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
 
 
-class ChatCompletionResponse(Answer[ChatCompletionChoice]):
+class ChatCompletionResponse(WholeAnswer[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    usage: UsageInfo
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatCompletionStreamResponse(Answer[ChatCompletionStreamChoice]):
