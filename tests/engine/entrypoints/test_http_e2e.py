@@ -138,6 +138,27 @@ def test_logprobs(oai: openai.OpenAI) -> None:
     assert content is not None and content[0].top_logprobs == []
 
 
+def test_logprobs_bytes_of_an_emoji(oai: openai.OpenAI) -> None:
+    """SmolLM2's byte-level BPE spells 🎉 in three tokens, each U+FFFD as text alone: their `bytes` are
+    their own, and the bytes of consecutive tokens join into the emoji's UTF-8."""
+    messages: Any = [{"role": "user", "content": "Reply with only the party popper emoji 🎉, nothing else."}]
+    r = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1
+    )
+    text = r.choices[0].message.content or ""
+    content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+    assert content is not None and "🎉" in text, text
+    pieces = [bytes(c.bytes or []) for c in content]
+    # What may follow the text is a character that the token limit cut short, or the end-of-turn token.
+    assert b"".join(pieces).startswith(text.encode())
+    split = [p for c, p in zip(content, pieces, strict=True) if c.token == "\ufffd"]
+    assert len(split) >= 3 and "\ufffd".encode() not in split
+    for c, piece in zip(content, pieces, strict=True):
+        if c.token != "\ufffd":
+            assert piece == c.token.encode()
+        assert c.top_logprobs[0].bytes == c.bytes  # greedy: the best alternative is the sampled token
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from http import HTTPStatus
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -241,36 +241,6 @@ class CompletionLogProbs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    # The stop string or stop token id that ended the choice; None for EOS, length or abort.
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    system_fingerprint: str | None = None
-    usage: UsageInfo
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionStreamResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    system_fingerprint: str | None = None
-    usage: UsageInfo | None = None
-
-
 class ChatLogProb(OpenAIModel):
     token: str
     logprob: float = -9999.0
@@ -290,25 +260,6 @@ class AssistantMessage(OpenAIModel):
     content: str | None = None
 
 
-class ChatCompletionChoice(OpenAIModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    system_fingerprint: str | None = None
-    usage: UsageInfo
-    kv_transfer_params: dict[str, Any] | None = None
-
-
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -324,22 +275,68 @@ class DeltaMessage(OpenAIModel):
         return out
 
 
-class ChatCompletionStreamChoice(OpenAIModel):
+LogProbsT = TypeVar("LogProbsT", bound=OpenAIModel)
+
+
+class Choice(OpenAIModel, Generic[LogProbsT]):
+    """What every choice carries; each endpoint adds its text (`text`, `message` or `delta`)."""
+
     index: int
-    delta: DeltaMessage
-    logprobs: ChatLogProbs | None = None
+    logprobs: LogProbsT | None = None
     finish_reason: str | None = None
+    # The stop string or stop token id that ended the choice; None for EOS, length or abort.
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIModel):
+class CompletionChoice(Choice[CompletionLogProbs]):
+    text: str
+
+
+class ChatCompletionChoice(Choice[ChatLogProbs]):
+    message: AssistantMessage
+
+
+class ChatCompletionStreamChoice(Choice[ChatLogProbs]):
+    delta: DeltaMessage
+
+
+ChoiceT = TypeVar("ChoiceT", bound=Choice[Any])
+
+
+class Answer(OpenAIModel, Generic[ChoiceT]):
+    """The envelope of every answer: a whole response, or one chunk of a stream (`usage` only on the
+    last chunk, when the client asked for it)."""
+
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
+    object: str
+    created: int = Field(default_factory=now)
     model: str
-    choices: list[ChatCompletionStreamChoice]
+    choices: list[ChoiceT]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+
+
+class WholeAnswer(Answer[ChoiceT], Generic[ChoiceT]):
+    """A non-streamed answer: usage always, and the KV handle a prefill-only request leaves."""
+
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionResponse(WholeAnswer[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
+class CompletionStreamResponse(Answer[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatCompletionResponse(WholeAnswer[ChatCompletionChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatCompletionStreamResponse(Answer[ChatCompletionStreamChoice]):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
 class ModelCard(OpenAIModel):

@@ -3,12 +3,7 @@ one JSON response or an SSE stream of `text_completion` chunks."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
-
-from fastapi import Request, Response
 
 from tandem_engine.entrypoints.openai_protocol import (
     MAX_PROMPTS,
@@ -18,79 +13,44 @@ from tandem_engine.entrypoints.openai_protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     OpenAIError,
-    now,
-    random_id,
+    UsageInfo,
 )
-from tandem_engine.entrypoints.serving_common import (
-    CLIENT_CLOSED,
-    SSE_DONE,
-    GenerationGroup,
-    Job,
-    SSEResponse,
-    UsageTracker,
-    check_engine_serving,
-    check_length,
-    check_model,
-    clamp_logprob,
-    engine_error,
-    error_body,
-    finish_reason_of,
-    first_or_none,
-    make_jobs,
-    parse_body,
-    sse,
-    unless_disconnected,
-)
-from tandem_engine.frontend.interface import EngineClient, RequestOutput, TokenLogprob
-
-logger = logging.getLogger(__name__)
+from tandem_engine.entrypoints.serving_base import ChoiceOutput, OpenAIServing, Prepared
+from tandem_engine.entrypoints.serving_common import check_length, clamp_logprob
+from tandem_engine.frontend.interface import TokenLogprob
 
 
-class LogprobsBuilder:
-    """OpenAI's completions logprobs: parallel lists, `text_offset` counting characters of the output,
-    `top_logprobs` holding the sampled token plus the top-N alternatives (N+1 entries at most)."""
-
-    def __init__(self, num_top: int) -> None:
-        self.num_top = num_top
-        self.offset = 0
-
-    def build(self, logprobs: list[TokenLogprob] | None) -> CompletionLogProbs:
-        result = CompletionLogProbs()
-        for lp in logprobs or []:
-            result.tokens.append(lp.token)
-            result.token_logprobs.append(clamp_logprob(lp.logprob))
-            result.text_offset.append(self.offset)
-            self.offset += len(lp.token)
-            top: dict[str, float] = {lp.token: clamp_logprob(lp.logprob)}
-            for _, text, value in lp.top[: self.num_top]:
-                top.setdefault(text, clamp_logprob(value))
-            result.top_logprobs.append(top)
-        return result
+def completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> CompletionLogProbs:
+    """OpenAI's completions logprobs: parallel lists, `text_offset` counting characters of the output
+    from `offset` on, `top_logprobs` holding the sampled token plus the alternatives."""
+    result = CompletionLogProbs()
+    for lp in logprobs:
+        result.tokens.append(lp.token)
+        result.token_logprobs.append(clamp_logprob(lp.logprob))
+        result.text_offset.append(offset)
+        offset += len(lp.token)
+        top: dict[str, float] = {lp.token: clamp_logprob(lp.logprob)}
+        for alt in lp.top:
+            top.setdefault(alt.token, clamp_logprob(alt.logprob))
+        result.top_logprobs.append(top)
+    return result
 
 
-def extend(into: CompletionLogProbs, more: CompletionLogProbs) -> None:
-    into.tokens += more.tokens
-    into.token_logprobs += more.token_logprobs
-    into.text_offset += more.text_offset
-    into.top_logprobs += more.top_logprobs
+def completion_choice(choice: ChoiceOutput) -> CompletionChoice:
+    return CompletionChoice(
+        index=choice.index,
+        text=choice.text,
+        logprobs=None if choice.logprobs is None else completion_logprobs(choice.logprobs, choice.text_offset),
+        finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason,
+    )
 
 
-@dataclass
-class ChoiceState:
-    text: list[str] = field(default_factory=list)
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class CompletionServing(OpenAIServing[CompletionRequest]):
+    request_type = CompletionRequest
+    id_prefix = "cmpl"
 
-
-class CompletionServing:
-    def __init__(self, engine: EngineClient) -> None:
-        self.engine = engine
-
-    async def create(self, request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
-        check_model(self.engine, req.model)
-        check_engine_serving(self.engine)
+    def prepare(self, req: CompletionRequest) -> Prepared:
         if req.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
         if req.echo:
@@ -102,15 +62,7 @@ class CompletionServing:
             req.to_sampling_params(check_length(self.engine, len(p), req.max_tokens, "prompt"), req.logprobs)
             for p in prompts
         ]
-        if req.kv_transfer_params is not None and len(prompts) * req.n > 1:
-            raise OpenAIError("kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
-        request_id = random_id("cmpl")
-        jobs = make_jobs(request_id, prompts, params, req.n)
-        group = GenerationGroup(self.engine, jobs, req.kv_transfer_params)
-        if req.stream:
-            return await self._stream(request, req, request_id, group)
-        ok, response = await unless_disconnected(request, self._collect(req, request_id, group))
-        return response if ok and response is not None else Response(status_code=CLIENT_CLOSED)
+        return Prepared(prompts, params)
 
     def _tokenize_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
@@ -134,111 +86,24 @@ class CompletionServing:
                 out.append(list(p))
         return out
 
-    async def _collect(self, req: CompletionRequest, request_id: str, group: GenerationGroup) -> Response:
-        states = {job.index: ChoiceState() for job in group.jobs}
-        builders = {
-            job.index: LogprobsBuilder(req.logprobs) for job in group.jobs if req.logprobs is not None
-        }
-        usage = UsageTracker(group.jobs)
-        kv_params: dict[str, Any] | None = None
-        try:
-            async for job, out in group:
-                state = states[job.index]
-                state.text.append(out.text)
-                usage.observe(job, out)
-                if job.index in builders:
-                    more = builders[job.index].build(out.logprobs)
-                    if state.logprobs is None:
-                        state.logprobs = more
-                    else:
-                        extend(state.logprobs, more)
-                if out.finished:
-                    state.finish_reason = finish_reason_of(out)
-                    state.stop_reason = out.stop_reason
-                    kv_params = out.kv_transfer_params or kv_params
-        finally:
-            await group.aclose()
-        choices = [
-            CompletionChoice(
-                index=i,
-                text="".join(s.text),
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in sorted(states.items())
-        ]
-        body = CompletionResponse(
+    def response(
+        self, request_id: str, choices: list[ChoiceOutput], usage: UsageInfo, kv: dict[str, Any] | None
+    ) -> CompletionResponse:
+        return CompletionResponse(
             id=request_id,
             model=self.engine.model_name,
-            choices=choices,
-            usage=usage.usage(),
-            kv_transfer_params=kv_params,
+            choices=[completion_choice(c) for c in choices],
+            usage=usage,
+            kv_transfer_params=kv,
         )
-        return Response(content=body.model_dump_json(), media_type="application/json")
 
-    async def _stream(
-        self, request: Request, req: CompletionRequest, request_id: str, group: GenerationGroup
-    ) -> Response:
-        # Wait for the first delta before answering, so an invalid request is still a plain HTTP error.
-        try:
-            ok, first = await unless_disconnected(request, first_or_none(aiter(group)))
-        except BaseException:
-            await group.aclose()
-            raise
-        if not ok:
-            await group.aclose()
-            return Response(status_code=CLIENT_CLOSED)
-        return SSEResponse(self._events(req, request_id, group, first))
-
-    async def _events(
-        self,
-        req: CompletionRequest,
-        request_id: str,
-        group: GenerationGroup,
-        first: tuple[Job, RequestOutput] | None,
-    ) -> AsyncIterator[str]:
-        created = now()
-        model = self.engine.model_name
-        builders = {
-            job.index: LogprobsBuilder(req.logprobs) for job in group.jobs if req.logprobs is not None
-        }
-        usage = UsageTracker(group.jobs)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-        def chunk(job: Job, out: RequestOutput) -> str | None:
-            usage.observe(job, out)
-            if not out.text and not out.token_ids and not out.finished:
-                return None
-            builder = builders.get(job.index)
-            choice = CompletionChoice(
-                index=job.index,
-                text=out.text,
-                logprobs=builder.build(out.logprobs) if builder is not None else None,
-                finish_reason=finish_reason_of(out),
-                stop_reason=out.stop_reason if out.finished else None,
-            )
-            return sse(
-                CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
-            )
-
-        try:
-            if first is not None:
-                data = chunk(*first)
-                if data is not None:
-                    yield data
-            async for job, out in group:
-                data = chunk(job, out)
-                if data is not None:
-                    yield data
-            if include_usage:
-                final = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[], usage=usage.usage()
-                )
-                yield sse(final)
-        except Exception as exc:
-            err = engine_error(exc)
-            yield sse(error_body(err))
-        finally:
-            await group.aclose()
-        yield SSE_DONE
+    def chunk(
+        self, request_id: str, created: int, choices: list[ChoiceOutput], usage: UsageInfo | None
+    ) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=request_id,
+            created=created,
+            model=self.engine.model_name,
+            choices=[completion_choice(c) for c in choices],
+            usage=usage,
+        )

@@ -25,11 +25,18 @@ class RequestError(ValueError):
 
 
 @dataclass
-class TokenLogprob:
+class TokenCandidate:
     token_id: int
-    token: str  # decoded text of this one token
+    token: str  # decoded text of this one token: U+FFFD where it holds only part of a character
+    token_bytes: bytes  # its own bytes: part of a character's UTF-8 where it splits one
     logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, text, logprob)
+
+
+@dataclass
+class TokenLogprob(TokenCandidate):
+    """The sampled token and the most likely alternatives at its position, best first."""
+
+    top: list[TokenCandidate] = field(default_factory=list)
 
 
 @dataclass

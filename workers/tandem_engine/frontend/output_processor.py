@@ -8,9 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
-from tandem_engine.frontend.interface import RequestOutput, TokenLogprob
+from tandem_engine.frontend.detokenizer import Detokenizer, TextStream
+from tandem_engine.frontend.interface import RequestOutput, TokenCandidate, TokenLogprob
 from tandem_engine.frontend.metrics import EngineMetrics
 from tandem_engine.protocol import EngineCoreOutput, EngineCoreOutputs
 from tandem_engine.sampling_params import SamplingParams
@@ -22,7 +21,7 @@ class RequestState:
     num_prompt_tokens: int
     params: SamplingParams
     queue: asyncio.Queue[RequestOutput | BaseException]
-    decoder: DecodeStream
+    decoder: TextStream
     arrival: float = field(default_factory=time.monotonic)
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
@@ -38,8 +37,7 @@ class RequestState:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, metrics: EngineMetrics) -> None:
-        self.tokenizer = tokenizer
-        self._raw_tokenizer = tokenizer._tokenizer  # the Rust `tokenizers.Tokenizer`
+        self.detokenizer = Detokenizer(tokenizer)
         self.metrics = metrics
         self.states: dict[str, RequestState] = {}
         # Requests finished here by a stop string: the engine must be told to abort them.
@@ -48,8 +46,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams
                     ) -> asyncio.Queue[RequestOutput | BaseException]:
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.states[request_id] = RequestState(request_id, num_prompt_tokens, params, q,
-                                               DecodeStream(skip_special_tokens=params.skip_special_tokens))
+        decoder = self.detokenizer.text_stream(params.skip_special_tokens)
+        self.states[request_id] = RequestState(request_id, num_prompt_tokens, params, q, decoder)
         return q
 
     def remove(self, request_id: str) -> bool:
@@ -86,7 +84,7 @@ class OutputProcessor:
             m.generation_tokens.labels(name).inc(len(out.new_token_ids))
             old_len = len(state.text)
             for tid in out.new_token_ids:
-                piece = state.decoder.step(self._raw_tokenizer, tid)
+                piece = state.decoder.step(tid)
                 if piece:
                     state.text += piece
             matched = self._find_stop(state, old_len)
@@ -137,16 +135,10 @@ class OutputProcessor:
         lp = out.logprobs
         if lp is None:
             return None
+        detok = self.detokenizer
         result = []
         for i, tid in enumerate(out.new_token_ids):
-            top_ids = lp.top_ids[i]
-            result.append(TokenLogprob(
-                token_id=tid,
-                token=self._token_text(tid),
-                logprob=lp.sampled[i],
-                top=[(t, self._token_text(t), v) for t, v in zip(top_ids, lp.top_logprobs[i], strict=True)],
-            ))
+            top = [TokenCandidate(t, detok.token_text(t), detok.token_bytes(t), v)
+                   for t, v in zip(lp.top_ids[i], lp.top_logprobs[i], strict=True)]
+            result.append(TokenLogprob(tid, detok.token_text(tid), detok.token_bytes(tid), lp.sampled[i], top))
         return result
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
