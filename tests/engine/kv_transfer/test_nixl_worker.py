@@ -4,16 +4,33 @@ channel, real byte copies between two pools in this process, real heartbeat and 
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from tandem_engine.config import EngineConfig
+from tandem_engine.kv_transfer import side_channel
 from tandem_engine.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemotePrefill
-from tandem_engine.kv_transfer.messages import RemotePrefillParams
+from tandem_engine.kv_transfer.messages import (
+    Debug,
+    DebugView,
+    ErrorReply,
+    HandshakeReply,
+    HeartbeatReply,
+    LeaseView,
+    RemotePrefillParams,
+    reply_decoder,
+)
 from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker
 from tests.engine.engine_server import free_port
 
@@ -194,3 +211,31 @@ def test_handshake_with_nobody_times_out_cleanly() -> None:
     assert "failed" in out.failed_recving["r"] or "timed out" in out.failed_recving["r"]
     assert time.monotonic() - t0 < 8
     d.shutdown()
+
+
+def test_side_channel_answers_debug_and_refuses_what_it_cannot_read() -> None:
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    view = DebugView("P-9", 2, {"p-1": LeaseView(2, 1.5)}, [])
+    server = side_channel.SideChannelServer("127.0.0.1", port, HandshakeReply("P-9", b"", 0, 1, 1, 1, "x", "h"),
+                                            lambda: view, lambda: None)
+    try:
+        assert side_channel.call(address, Debug(), DebugView) == view
+        with pytest.raises(side_channel.SideChannelError, match="refused Debug"):
+            side_channel.call(address, Debug(), HeartbeatReply)
+        # A peer that speaks another message set (an older tandem's {"op": ...} maps) gets an ErrorReply.
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(address)
+        sock.send(msgspec.msgpack.encode({"op": "debug"}))
+        assert isinstance(reply_decoder.decode(sock.recv()), ErrorReply)
+        sock.close()
+        # The debugging command in the module's docstring.
+        workers = Path(__file__).resolve().parents[3] / "workers"
+        cli = subprocess.run([sys.executable, "-m", "tandem_engine.kv_transfer.side_channel", address],
+                             env={**os.environ, "PYTHONPATH": str(workers)}, capture_output=True, text=True,
+                             timeout=60, check=True)
+        assert json.loads(cli.stdout)["leases"] == {"p-1": {"blocks": 2, "expires_in_s": 1.5}}
+    finally:
+        server.close()
