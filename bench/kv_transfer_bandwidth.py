@@ -27,6 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "workers")]
 
 from tandem_engine.config import EngineConfig  # noqa: E402
 from tandem_engine.kv_transfer.interface import KVConnectorMetadata, LoadSpec, RemotePrefill  # noqa: E402
+from tandem_engine.kv_transfer.messages import RemotePrefillParams  # noqa: E402
 from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker  # noqa: E402
 from tandem_router.bench.stats import percentile  # noqa: E402
 
@@ -85,9 +86,9 @@ def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
         nonlocal n
         n += 1
         rid = f"r{n}"
-        rp = RemotePrefill.parse(rid, {
-            "remote_engine_id": "bench-prefill", "remote_host": "127.0.0.1", "remote_port": port,
-            "remote_request_id": rid, "remote_block_ids": remote, "block_size": BS})
+        rp = RemotePrefill.of(rid, RemotePrefillParams(
+            remote_engine_id="bench-prefill", remote_host="127.0.0.1", remote_port=port,
+            remote_request_id=rid, remote_block_ids=remote, block_size=BS))
         t0 = time.perf_counter()
         d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec(rid, local, remote)]))
         while True:

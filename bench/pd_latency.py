@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
+
+from tandem_engine.kv_transfer.messages import RemoteDecodeParams
 
 TANDEM = Path(sys.executable).parent / "tandem"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -83,7 +86,7 @@ class Target:
             return {}
         r = await c.post(self.prefill + "/v1/completions", json={
             "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True}})
+            "kv_transfer_params": msgspec.to_builtins(RemoteDecodeParams())})
         p = r.json().get("kv_transfer_params")
         return {"kv_transfer_params": p} if p else {}
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
+import msgspec
 
 from tandem_router.hashing import CHARS_PER_TOKEN
 from tandem_router.policies import RoutingRequest
 from tandem_router.proxy import NoEndpoint, Upstream, open_upstream
-from tandem_router.request import ParsedRequest, prefill_body
+from tandem_router.request import ParsedRequest, PrefillAnswer, RemotePrefillParams, decode_body, prefill_body
 
 if TYPE_CHECKING:
     from tandem_router.router import Router
@@ -38,7 +39,7 @@ class ClientErrorFromPrefill(Exception):
 
 async def run_prefill(
     router: Router, path: str, req: ParsedRequest, rreq: RoutingRequest, headers: dict[str, str]
-) -> dict[str, Any] | None:
+) -> RemotePrefillParams | None:
     """The prefill leg; returns the `kv_transfer_params` to hand to decode, or None to prefill locally."""
     payload = json.dumps(prefill_body(req)).encode()
     t0 = time.perf_counter()
@@ -66,13 +67,14 @@ async def run_prefill(
         logger.warning("prefill endpoint %s answered %s, decode prefills locally", up.endpoint.url, status)
         return None
     try:
-        params = json.loads(body).get("kv_transfer_params")
-    except (ValueError, AttributeError):
-        params = None
-    if not isinstance(params, dict):
+        params = msgspec.json.decode(body, type=PrefillAnswer).kv_transfer_params
+    except msgspec.DecodeError as e:  # ValidationError included
+        logger.warning("prefill endpoint %s returned unusable kv_transfer_params (%s); decode prefills locally",
+                       up.endpoint.url, e)
+        return None
+    if params is None:
         # e.g. an engine without a KV connector: decode computes the prompt itself.
         logger.info("prefill endpoint %s returned no kv_transfer_params; decode prefills locally", up.endpoint.url)
-        return None
     return params
 
 
@@ -104,6 +106,5 @@ async def open_pd(
         metrics.pd_decisions.labels("local_fallback").inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d)
     metrics.pd_decisions.labels("remote").inc()
-    body = dict(req.body)
-    body["kv_transfer_params"] = params
-    return await open_upstream(router, decode, path, json.dumps(body).encode(), rreq, headers, first=d)
+    payload = json.dumps(decode_body(req, params)).encode()
+    return await open_upstream(router, decode, path, payload, rreq, headers, first=d)

@@ -1,4 +1,5 @@
-"""What the router reads from an OpenAI request body: the prompt text for hashing and load estimates.
+"""What the router reads from an OpenAI request body: the prompt text for hashing and load estimates;
+and the `kv_transfer_params` it writes into the bodies of a P/D request's two legs.
 
 The body is parsed once; the router forwards the client's bytes unchanged when it does not need to
 rewrite them (colocated mode, or decode without remote prefill).
@@ -10,11 +11,49 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from tandem_router.hashing import block_hashes, estimate_tokens
 from tandem_router.policies import RoutingRequest
 
 Kind = Literal["completions", "chat"]
 DEFAULT_MAX_TOKENS = 256  # load estimate when the client sets none
+
+
+# The router's copy of the engine's `kv_transfer_params` forms (tandem_engine/kv_transfer/messages.py):
+# the router imports no engine code. tests/engine/kv_transfer/test_kv_params_roundtrip.py proves that
+# the two copies read each other's JSON.
+class RemoteDecodeParams(msgspec.Struct, kw_only=True):
+    """Sent to a prefill engine: compute the prompt, then hold its blocks for a remote decode.
+    Build it with no arguments; the nulls are part of the form."""
+
+    do_remote_decode: bool = True
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+class RemotePrefillParams(msgspec.Struct, kw_only=True):
+    """A prefill engine's answer, handed to decode as received; fields it left out stay left out."""
+
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: list[int]
+    remote_host: str
+    remote_port: int
+    tp_size: int | msgspec.UnsetType = msgspec.UNSET
+    block_size: int | msgspec.UnsetType = msgspec.UNSET
+    lease_seconds: float | msgspec.UnsetType = msgspec.UNSET
+
+
+class PrefillAnswer(msgspec.Struct):
+    """The one field the router reads from a prefill engine's completion."""
+
+    kv_transfer_params: RemotePrefillParams | None = None
 
 
 class BadRequest(ValueError):
@@ -107,12 +146,10 @@ def prefill_body(req: ParsedRequest) -> dict[str, Any]:
     body["stream"] = False
     for key in ("stream_options", "min_tokens", "n", "best_of"):
         body.pop(key, None)
-    body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    body["kv_transfer_params"] = msgspec.to_builtins(RemoteDecodeParams())
     return body
+
+
+def decode_body(req: ParsedRequest, params: RemotePrefillParams) -> dict[str, Any]:
+    """The request sent to a decode engine after a remote prefill: the client's, plus prefill's params."""
+    return {**req.body, "kv_transfer_params": msgspec.to_builtins(params)}

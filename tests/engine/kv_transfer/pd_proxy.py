@@ -2,7 +2,7 @@
 the P/D end-to-end tests.
 
 `pd_completion` does what vLLM's toy proxy does: the request goes to prefill with `max_tokens=1`,
-`stream=false`, no `min_tokens` and `kv_transfer_params={"do_remote_decode": true}`; the returned
+`stream=false`, no `min_tokens` and `kv_transfer_params` in the `RemoteDecodeParams` form; the returned
 `kv_transfer_params` go to decode with the original request.
 """
 
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
+from tandem_engine.kv_transfer.messages import RemoteDecodeParams
 from tandem_router.local_stack import split_cpus
 from tests.engine.engine_server import Server, free_port, launch, wait_healthy
 
@@ -26,7 +28,7 @@ MODEL = "smollm2-135m-instruct"
 async def prefill(client: httpx.AsyncClient, p_url: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """Step 1-2: the prefill leg; returns prefill's `kv_transfer_params` (None: it returned none)."""
     pre = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
-    pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    pre.update(max_tokens=1, stream=False, kv_transfer_params=msgspec.to_builtins(RemoteDecodeParams()))
     r = await client.post(p_url + "/v1/completions", json=pre)
     r.raise_for_status()
     params: dict[str, Any] | None = r.json().get("kv_transfer_params")

@@ -1,30 +1,25 @@
 """KV connector block accounting: the scheduler with the NIXL connector's scheduler side (exact block
-ids, reference counts, leases), and the worker side against an in-memory stand-in for the NIXL wrapper
-(real ZMQ side channel, real byte copies between two pools in this process)."""
+ids, reference counts, leases). The worker side is in test_nixl_worker.py."""
 
 from __future__ import annotations
 
-import ctypes
-import socket
-import time
 from typing import Any
 
-import numpy as np
-import pytest
-import torch
+import msgspec
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
-from tandem_engine.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemotePrefill
+from tandem_engine.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from tandem_engine.kv_transfer.messages import RemoteDecodeParams, RemotePrefillParams
 from tandem_engine.kv_transfer.nixl_connector import NixlConnectorScheduler
-from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker
 from tandem_engine.request import Request, RequestStatus
 from tandem_engine.sampling_params import SamplingParams
 
 BS = 4
 EOS = 0
 LEASE = 10.0
+DECODE_REMOTELY: dict[str, Any] = msgspec.to_builtins(RemoteDecodeParams())
 
 
 class Clock:
@@ -64,14 +59,17 @@ def all_free(s: Scheduler) -> bool:
 
 
 def remote(block_ids: list[int]) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "remote_engine_id": "P-nonce", "remote_request_id": "p-1",
-            "remote_block_ids": block_ids, "remote_host": "127.0.0.1", "remote_port": 5600, "block_size": BS}
+    """A decode request's `kv_transfer_params`, as a prefill engine named "P-nonce" returns them."""
+    params = RemotePrefillParams(remote_engine_id="P-nonce", remote_request_id="p-1", remote_block_ids=block_ids,
+                                 remote_host="127.0.0.1", remote_port=5600, block_size=BS)
+    built: dict[str, Any] = msgspec.to_builtins(params)
+    return built
 
 
 # -- prefill: leases --------------------------------------------------------------------------------
 def test_prefill_holds_blocks_under_a_lease_until_released() -> None:
     s, conn, clock = make("prefill")
-    s.add_request(req("a", 10, params={"do_remote_decode": True}))
+    s.add_request(req("a", 10, params=DECODE_REMOTELY))
     _, [out] = step(s)
     assert out.finish_reason == "length"
     params = out.kv_transfer_params
@@ -90,8 +88,8 @@ def test_prefill_holds_blocks_under_a_lease_until_released() -> None:
 
 def test_lease_expires_and_heartbeats_extend_it_out_of_order() -> None:
     s, conn, clock = make("prefill")
-    s.add_request(req("a", 5, params={"do_remote_decode": True}))
-    s.add_request(req("b", 5, params={"do_remote_decode": True}, base=50))
+    s.add_request(req("a", 5, params=DECODE_REMOTELY))
+    s.add_request(req("b", 5, params=DECODE_REMOTELY, base=50))
     step(s)
     assert conn.num_held_blocks == 4  # 2 + 2
     clock.t += LEASE - 1
@@ -99,7 +97,7 @@ def test_lease_expires_and_heartbeats_extend_it_out_of_order() -> None:
     s.update_from_kv_output(KVConnectorOutput(heartbeats=["a"]), clock())
     clock.t += 1.5
     s.update_from_kv_output(KVConnectorOutput(), clock())
-    assert conn.num_held_blocks == 2 and list(conn.debug_view()["leases"]) == ["a"]
+    assert conn.num_held_blocks == 2 and list(conn.debug_view().leases) == ["a"]
     clock.t += LEASE
     s.update_from_kv_output(KVConnectorOutput(), clock())
     assert all_free(s) and conn.next_deadline() is None
@@ -107,9 +105,9 @@ def test_lease_expires_and_heartbeats_extend_it_out_of_order() -> None:
 
 def test_prefill_frees_at_once_on_any_other_ending() -> None:
     s, conn, clock = make("prefill")
-    s.add_request(req("stop", 5, params={"do_remote_decode": True}))
+    s.add_request(req("stop", 5, params=DECODE_REMOTELY))
     s.add_request(req("plain", 5, base=40))
-    s.add_request(req("aborted", 5, params={"do_remote_decode": True}, base=80))
+    s.add_request(req("aborted", 5, params=DECODE_REMOTELY, base=80))
     s.finish_requests(["aborted"], RequestStatus.FINISHED_ABORTED)
     _, outs = step(s, token=EOS)
     assert {o.request_id: (o.finish_reason, o.kv_transfer_params) for o in outs} == {
@@ -119,7 +117,7 @@ def test_prefill_frees_at_once_on_any_other_ending() -> None:
 
 def test_abort_after_finish_is_ignored_and_the_lease_cleans_up() -> None:
     s, conn, clock = make("prefill")
-    s.add_request(req("a", 6, params={"do_remote_decode": True}))
+    s.add_request(req("a", 6, params=DECODE_REMOTELY))
     step(s)
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # the client disconnect raced the finish
     assert conn.num_held_blocks == 2 and ref(s, [1, 2]) == [1, 1]
@@ -226,176 +224,10 @@ def test_requests_waiting_for_kv_count_toward_max_num_seqs() -> None:
     assert out.is_empty and set(s.waiting_for_kv) == {"r1", "r2"} and [r.request_id for r in s.waiting] == ["plain"]
 
 
-# -- worker side with an in-memory NIXL stand-in ----------------------------------------------------
-class FakeNixl:
-    """In-memory stand-in for NixlWrapper: agents in one process, reads are memmoves."""
-
-    agents: dict[str, FakeNixl] = {}
-
-    def __init__(self, name: str, num_threads: int = 0) -> None:
-        self.name = name
-        self.fail_reads = False
-        self.in_flight = False  # reads report "PROC" while set
-        self.posted: list[tuple[np.ndarray, np.ndarray]] = []
-        FakeNixl.agents[name] = self
-
-    def register(self, addr: int, nbytes: int, mem_type: str) -> None:
-        self.region = (addr, nbytes)
-
-    def metadata(self) -> bytes:
-        return self.name.encode()
-
-    def add_remote(self, metadata: bytes) -> str:
-        return metadata.decode()
-
-    def remove_remote(self, name: str) -> None:
-        pass
-
-    def prep_descs(self, agent_name: str, descs: np.ndarray, mem_type: str) -> np.ndarray:
-        return descs
-
-    def read(self, local: np.ndarray, local_idx: np.ndarray, remote: np.ndarray,
-             remote_idx: np.ndarray) -> tuple[Any, str]:
-        self.posted.append((local_idx, remote_idx))
-        if self.fail_reads:
-            return object(), "PROC"
-        for li, ri in zip(local_idx, remote_idx, strict=True):
-            ctypes.memmove(int(local[li, 0]), int(remote[ri, 0]), int(local[li, 1]))
-        return object(), "PROC"
-
-    def check(self, handle: Any) -> str:
-        return "ERR" if self.fail_reads else "PROC" if self.in_flight else "DONE"
-
-    def release(self, handle: Any) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _poll(worker: NixlConnectorWorker, until: Any, timeout_s: float = 10.0,
-          tick: NixlConnectorWorker | None = None) -> KVConnectorOutput:
-    """Poll `worker` like the engine loop does (and `tick`, the other engine) until `until(merged)`."""
-    merged = KVConnectorOutput()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if tick is not None:
-            tick.get_finished()
-        out = worker.get_finished()
-        merged.finished_recving += out.finished_recving
-        merged.failed_recving.update(out.failed_recving)
-        merged.released += out.released
-        merged.heartbeats += out.heartbeats
-        merged.received_blocks += out.received_blocks
-        if until(merged):
-            return merged
-        time.sleep(0.01)
-    pytest.fail(f"connector did not report in {timeout_s}s: {merged}")
-
-
-HELD: set[str] | None = None  # what the prefill side reports as held; None: everything asked about
-
-
-@pytest.fixture
-def pair() -> Any:
-    global HELD
-    HELD = None
-    port = _free_port()
-    pcfg = EngineConfig(role="prefill", block_size=BS, kv_lease_seconds=1.2)
-    dcfg = EngineConfig(role="decode", block_size=BS, kv_lease_seconds=1.2)
-    p = NixlConnectorWorker(pcfg, "P-1", port, nixl_factory=FakeNixl,  # type: ignore[arg-type]
-                            held=lambda: {"p-1"} if HELD is None else HELD)
-    d = NixlConnectorWorker(dcfg, "D-1", 0, nixl_factory=FakeNixl)  # type: ignore[arg-type]
-    # [num_layers=2, 2, num_blocks, block_size, num_kv_heads=1, head_dim=3]
-    p_pool = torch.arange(2 * 2 * 8 * BS * 3, dtype=torch.float32).reshape(2, 2, 8, BS, 1, 3)
-    d_pool = torch.zeros(2, 2, 6, BS, 1, 3)
-    p.register_kv_caches(p_pool)
-    d.register_kv_caches(d_pool)
-    yield p, d, p_pool, d_pool, port
-    p.shutdown()
-    d.shutdown()
-
-
-def test_worker_reads_blocks_then_releases_and_heartbeats(pair: Any) -> None:
-    p, d, p_pool, d_pool, port = pair
-    rp = RemotePrefill.parse("r", {**remote([3, 4, 7]), "remote_port": port, "remote_engine_id": "P-1"})
-    d.start_load_kv(KVConnectorMetadata(new_remote=[rp]))
-    assert d.has_pending and not d.transfers_in_flight
-    # Heartbeats go out from arrival, before any block is allocated.
-    hb = _poll(p, lambda o: o.heartbeats, tick=d)
-    assert hb.heartbeats[0] == "p-1"
-    d.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r", [2, 3, 5], [3, 4, 7])]))
-    out = _poll(d, lambda o: o.finished_recving)
-    assert out.finished_recving == ["r"] and out.received_blocks == 3 and not d.has_pending
-    [(local_idx, remote_idx)] = FakeNixl.agents["D-1"].posted
-    assert local_idx.tolist()[:3] == [2, 3, 5] and remote_idx.tolist()[:3] == [3, 4, 7]  # layer 0 K first
-    assert torch.equal(d_pool[:, :, [2, 3, 5]], p_pool[:, :, [3, 4, 7]])
-    assert torch.count_nonzero(d_pool[:, :, [0, 1, 4]]) == 0
-    released = _poll(p, lambda o: o.released)
-    assert released.released == [("p-1", 3)]
-
-
-def test_worker_reports_a_failed_read_once_and_still_releases(pair: Any) -> None:
-    p, d, _, _, port = pair
-    FakeNixl.agents["D-1"].fail_reads = True
-    rp = RemotePrefill.parse("r", {**remote([3]), "remote_port": port, "remote_engine_id": "P-1"})
-    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2], [3])]))
-    out = _poll(d, lambda o: o.failed_recving)
-    assert list(out.failed_recving) == ["r"] and out.finished_recving == []
-    assert _poll(p, lambda o: o.released).released == [("p-1", 0)]
-    assert not d.get_finished().failed_recving
-
-
-def test_no_read_is_posted_before_a_heartbeat_confirms_the_lease(pair: Any) -> None:
-    """Arrival and load in one step (a fast scheduler): the prefill engine has already let the lease run
-    out, so its blocks may be reused; the read must never start."""
-    global HELD
-    HELD = set()
-    p, d, _, d_pool, port = pair
-    rp = RemotePrefill.parse("r", {**remote([3, 4]), "remote_port": port, "remote_engine_id": "P-1"})
-    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2, 3], [3, 4])]))
-    out = _poll(d, lambda o: o.failed_recving, tick=p)
-    assert "lease ran out before the read" in out.failed_recving["r"]
-    assert FakeNixl.agents["D-1"].posted == [] and torch.count_nonzero(d_pool) == 0
-    assert _poll(p, lambda o: o.released).released == [("p-1", 0)]
-
-
-def test_lease_lost_during_the_read_fails_the_load_instead_of_using_the_bytes(pair: Any) -> None:
-    global HELD
-    p, d, _, _, port = pair
-    FakeNixl.agents["D-1"].in_flight = True
-    rp = RemotePrefill.parse("r", {**remote([3]), "remote_port": port, "remote_engine_id": "P-1"})
-    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2], [3])]))
-    _poll(d, lambda o: FakeNixl.agents["D-1"].posted, tick=p)
-    HELD = set()  # the prefill engine frees the blocks while the read is in flight
-    time.sleep(0.6)  # a heartbeat round (every 0.2 s here) reports it
-    FakeNixl.agents["D-1"].in_flight = False
-    out = _poll(d, lambda o: o.failed_recving or o.finished_recving, tick=p)
-    assert "lease ran out during the read" in out.failed_recving["r"] and out.finished_recving == []
-
-
-def test_handshake_with_a_restarted_engine_fails_the_load(pair: Any) -> None:
-    p, d, _, _, port = pair
-    rp = RemotePrefill.parse("r", {**remote([3]), "remote_port": port, "remote_engine_id": "P-0"})
-    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2], [3])]))
-    out = _poll(d, lambda o: o.failed_recving)
-    assert "restarted" in out.failed_recving["r"]
-
-
-def test_handshake_with_nobody_times_out_cleanly() -> None:
-    cfg = EngineConfig(role="decode", block_size=BS, kv_lease_seconds=1.0)
-    d = NixlConnectorWorker(cfg, "D-2", 0, nixl_factory=FakeNixl)  # type: ignore[arg-type]
-    d.register_kv_caches(torch.zeros(2, 2, 6, BS, 1, 3))
-    rp = RemotePrefill.parse("r", {**remote([3]), "remote_port": _free_port()})
-    t0 = time.monotonic()
-    d.start_load_kv(KVConnectorMetadata(new_remote=[rp], loads=[LoadSpec("r", [2], [3])]))
-    out = _poll(d, lambda o: o.failed_recving, timeout_s=12)
-    assert "failed" in out.failed_recving["r"] or "timed out" in out.failed_recving["r"]
-    assert time.monotonic() - t0 < 8
-    d.shutdown()
+def test_malformed_remote_params_prefill_locally() -> None:
+    s, conn, clock = make("decode")
+    s.add_request(req("r", 9, params={**remote([5, 6, 7]), "remote_port": "not a port"}))
+    out, outs = step(s)
+    assert [(x.start, x.num_tokens) for x in out.scheduled] == [(0, 9)] and outs[0].finish_reason == "length"
+    assert conn.build_connector_meta() == KVConnectorMetadata()
+    assert all_free(s)

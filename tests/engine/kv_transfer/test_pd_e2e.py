@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tandem_engine.kv_transfer import side_channel
+from tandem_engine.kv_transfer.messages import Debug, DebugView
 from tests.engine.core.test_engine_lifecycle import cpu_seconds, engine_pids
 from tests.engine.engine_server import Server, stop
 from tests.engine.kv_transfer.pd_proxy import (
@@ -94,8 +95,8 @@ async def test_blocks_held_under_a_lease_are_freed_when_nobody_reads(pd: tuple[S
         params = await prefill(c, p.url, completion(SENTENCE * 4 + "unread"))
     assert params is not None and params["remote_block_ids"] and ":" not in params["remote_engine_id"]
     assert p.metric("tandem:kv_blocks_held_for_transfer") == len(params["remote_block_ids"])
-    view = side_channel.call(side_address(p), {"op": "debug"})
-    assert view["leases"][params["remote_request_id"]]["blocks"] == len(params["remote_block_ids"])
+    view = side_channel.call(side_address(p), Debug(), DebugView)
+    assert view.leases[params["remote_request_id"]].blocks == len(params["remote_block_ids"])
     took = wait_for(lambda: idle(p), LEASE + 3, "prefill idle after the lease")
     assert took > 1.0
     assert p.metric("tandem:kv_blocks_held_for_transfer") == 0

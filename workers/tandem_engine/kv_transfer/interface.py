@@ -8,7 +8,6 @@ every load is reported done or failed exactly once. Both run in the EngineCore p
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,12 +15,8 @@ from typing import Any
 
 import torch
 
+from tandem_engine.kv_transfer.messages import RemotePrefillParams
 from tandem_engine.request import Request
-
-
-class KVConnectorRole(enum.Enum):
-    SCHEDULER = enum.auto()
-    WORKER = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -39,21 +34,18 @@ class RemoteEngine:
 
 @dataclass
 class RemotePrefill:
-    """The decode side's view of one request's remote KV (parsed `kv_transfer_params`)."""
+    """The decode side's view of one request's remote KV (its `RemotePrefillParams`)."""
 
     request_id: str
     remote: RemoteEngine
     remote_request_id: str
     remote_block_ids: list[int]
-    block_size: int
+    block_size: int  # 0: not stated
 
     @classmethod
-    def parse(cls, request_id: str, params: dict[str, Any]) -> RemotePrefill:
-        return cls(request_id,
-                   RemoteEngine(str(params["remote_engine_id"]), str(params["remote_host"]),
-                                int(params["remote_port"])),
-                   str(params["remote_request_id"]), [int(b) for b in params["remote_block_ids"]],
-                   int(params.get("block_size", 0)))
+    def of(cls, request_id: str, params: RemotePrefillParams) -> RemotePrefill:
+        return cls(request_id, RemoteEngine(params.remote_engine_id, params.remote_host, params.remote_port),
+                   params.remote_request_id, params.remote_block_ids, params.block_size)
 
 
 @dataclass
@@ -113,8 +105,9 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def request_finished(self, req: Request, block_ids: list[int]) -> dict[str, Any] | None:
-        """A request finished; returns `kv_transfer_params` when its blocks are held for a remote
-        decode (the caller must not free them), None when the caller frees them at once."""
+        """A request finished; returns `kv_transfer_params` (`RemotePrefillParams` as the plain dict the
+        ZMQ and HTTP layers carry) when its blocks are held for a remote decode (the caller must not free
+        them), None when the caller frees them at once."""
 
     @abstractmethod
     def request_ended_early(self, req: Request) -> bool:
@@ -157,7 +150,8 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def on_arrival(self, request_id: str, params: dict[str, Any]) -> None:
-        """Called from the input thread as a request reaches the process (before the scheduler)."""
+        """Called from the input thread as a request reaches the process (before the scheduler), with the
+        request's `kv_transfer_params` as received."""
 
     @abstractmethod
     def start_load_kv(self, meta: KVConnectorMetadata) -> None: ...

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tandem_engine.config import EngineConfig
 from tandem_engine.kv_transfer.interface import (
     KVConnectorMetadata,
@@ -25,6 +27,13 @@ from tandem_engine.kv_transfer.interface import (
     KVTransferStats,
     LoadSpec,
     RemotePrefill,
+)
+from tandem_engine.kv_transfer.messages import (
+    DebugView,
+    LeaseView,
+    RemotePrefillParams,
+    remote_prefill_params,
+    wants_remote_decode,
 )
 from tandem_engine.request import Request, RequestStatus
 
@@ -61,16 +70,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # -- decode -------------------------------------------------------------------------------
     def on_new_request(self, req: Request) -> None:
-        params = req.kv_transfer_params
-        if self.role != "decode" or not params or not params.get("do_remote_prefill"):
+        if self.role != "decode":
             return
         try:
-            rp = RemotePrefill.parse(req.request_id, params)
-        except (KeyError, TypeError, ValueError) as e:
+            params = remote_prefill_params(req.kv_transfer_params)
+        except msgspec.ValidationError as e:
             logger.warning("request %s: malformed kv_transfer_params (%s); prefilling locally",
                            req.request_id, e)
             req.kv_transfer_params = None
             return
+        if params is None:
+            return
+        rp = RemotePrefill.of(req.request_id, params)
         if rp.block_size not in (0, self.block_size):
             logger.warning("request %s: remote block size %d != %d; prefilling locally",
                            req.request_id, rp.block_size, self.block_size)
@@ -123,25 +134,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # -- prefill ------------------------------------------------------------------------------
     def request_finished(self, req: Request, block_ids: list[int]) -> dict[str, Any] | None:
-        params = req.kv_transfer_params
-        if (self.role != "prefill" or not params or not params.get("do_remote_decode")
+        if (self.role != "prefill" or not wants_remote_decode(req.kv_transfer_params)
                 or req.status is not RequestStatus.FINISHED_LENGTH or not block_ids):
             return None
         self._held[req.request_id] = _Lease(req, len(block_ids), self.clock() + self.lease_s)
         logger.info("[lease] holding %d blocks of %s for %.1fs", len(block_ids), req.request_id,
                      self.lease_s)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": req.request_id,
-            "remote_block_ids": list(block_ids),
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "tp_size": 1,
-            "block_size": self.block_size,
-            "lease_seconds": self.lease_s,
-        }
+        params = RemotePrefillParams(
+            remote_engine_id=self.engine_id, remote_request_id=req.request_id, remote_block_ids=list(block_ids),
+            remote_host=self.host, remote_port=self.port, block_size=self.block_size,
+            lease_seconds=self.lease_s)
+        built: dict[str, Any] = msgspec.to_builtins(params)
+        return built
 
     def update_from_output(self, out: KVConnectorOutput, now: float) -> list[Request]:
         freed: list[Request] = []
@@ -191,10 +195,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         """Request ids under a lease; called from the side-channel thread (one atomic copy)."""
         return set(self._held)
 
-    def debug_view(self) -> dict[str, Any]:
-        """Held blocks per request, for the side channel's `debug` call."""
+    def debug_view(self) -> DebugView:
+        """Held blocks per request, for the side channel's `Debug` call."""
         now = self.clock()
-        return {"engine_id": self.engine_id, "held_blocks": self.num_held_blocks,
-                "leases": {rid: {"blocks": lease.num_blocks, "expires_in_s": round(lease.expiry - now, 3)}
-                           for rid, lease in list(self._held.items())},
-                "loading": sorted(self._loading)}
+        return DebugView(self.engine_id, self.num_held_blocks,
+                         {rid: LeaseView(lease.num_blocks, round(lease.expiry - now, 3))
+                          for rid, lease in list(self._held.items())},
+                         sorted(self._loading))

@@ -1,10 +1,9 @@
 """The one module that imports `nixl`: a thin agent wrapper with exactly the calls the connector makes.
 
-Block accounting is unit-tested against an in-memory double of this class
-(tests/engine/kv_transfer/test_kv_connector.py); the real path runs end to end between two engine
+The worker side is unit-tested against an in-memory double of this class
+(tests/engine/kv_transfer/test_nixl_worker.py); the real path runs end to end between two engine
 processes. PyPI's `nixl` meta package pulls both CUDA builds, so the project depends on `nixl-cu12`
-(import name `nixl_cu12`); `nixl` is tried first so an
-installed meta package or a source build also works.
+(import name `nixl_cu12`); `nixl` is tried first so an installed meta package or a source build also works.
 """
 
 from __future__ import annotations
@@ -96,13 +95,6 @@ class NixlWrapper:
         except Exception as e:  # nixlBind raises on an in-flight handle it cannot abort
             logger.warning("NIXL refused to release a transfer handle: %s", e)
             return False
-
-    def desc_count(self, handle: Any) -> int | None:
-        """Descriptors NIXL actually posted for a transfer (after merging contiguous ones), if known."""
-        try:
-            return int(self._agent.get_xfer_telemetry(handle).descCount)
-        except Exception:
-            return None
 
     def close(self) -> None:
         for reg in self._regs:

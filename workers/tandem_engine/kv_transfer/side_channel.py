@@ -3,37 +3,57 @@
 The server is a ROUTER socket on its own thread inside the EngineCore process. It answers handshakes
 from a reply built once at registration and forwards heartbeats and releases to the engine loop
 through a queue (it never touches scheduler state). Clients use a fresh REQ socket per call with a
-receive timeout, so a dead peer costs one timeout and never wedges a socket.
+receive timeout, so a dead peer costs one timeout and never wedges a socket. The messages are in
+messages.py.
 
     python -m tandem_engine.kv_transfer.side_channel tcp://127.0.0.1:5600   # prints held blocks
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
+
+from tandem_engine.kv_transfer.messages import (
+    Ack,
+    Debug,
+    DebugView,
+    ErrorReply,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatReply,
+    Release,
+    SideChannelReply,
+    SideChannelRequest,
+    encoder,
+    reply_decoder,
+    request_decoder,
+)
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 _POLL_MS = 200
 
+ReplyT = TypeVar("ReplyT", HandshakeReply, HeartbeatReply, Ack, DebugView)
+
 
 class SideChannelError(RuntimeError):
     pass
 
 
-def call(address: str, message: dict[str, Any], timeout_s: float = HANDSHAKE_TIMEOUT_S,
-         ctx: zmq.Context[Any] | None = None) -> dict[str, Any]:
-    """One request/reply to a side channel; raises SideChannelError on timeout or an error reply."""
+def call(address: str, message: SideChannelRequest, reply_type: type[ReplyT],
+         timeout_s: float = HANDSHAKE_TIMEOUT_S, ctx: zmq.Context[Any] | None = None) -> ReplyT:
+    """One request/reply to a side channel; raises SideChannelError on timeout, an error reply or an
+    answer of another type."""
     ctx = ctx or zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -41,26 +61,28 @@ def call(address: str, message: dict[str, Any], timeout_s: float = HANDSHAKE_TIM
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         sock.connect(address)
-        sock.send(msgspec.msgpack.encode(message))
-        reply = msgspec.msgpack.decode(sock.recv())
+        sock.send(encoder.encode(message))
+        reply: SideChannelReply = reply_decoder.decode(sock.recv())
     except zmq.Again as e:
         raise SideChannelError(f"no answer from {address} within {timeout_s:.1f}s") from e
+    except msgspec.DecodeError as e:  # e.g. a peer of another tandem version
+        raise SideChannelError(f"{address} answered {type(message).__name__} with an unknown message: {e}") from e
     finally:
         sock.close()
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        raise SideChannelError(f"{address} refused {message.get('op')}: {reply}")
+    if not isinstance(reply, reply_type):
+        raise SideChannelError(f"{address} refused {type(message).__name__}: {reply}")
     return reply
 
 
 class SideChannelServer:
-    """Serves `handshake` and `debug`; queues `("heartbeat", id)` and `("release", id, num_blocks)`."""
+    """Serves `Handshake` and `Debug`; queues `Heartbeat` and `Release` for the engine loop."""
 
-    def __init__(self, host: str, port: int, handshake_reply: dict[str, Any],
-                 debug: Callable[[], dict[str, Any]], wakeup: Callable[[], None],
+    def __init__(self, host: str, port: int, handshake_reply: HandshakeReply,
+                 debug: Callable[[], DebugView], wakeup: Callable[[], None],
                  held: Callable[[], set[str]] | None = None) -> None:
         self.address = f"tcp://{host}:{port}"
-        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._reply = msgspec.msgpack.encode({"ok": True, **handshake_reply})
+        self.events: queue.Queue[Heartbeat | Release] = queue.Queue()
+        self._reply = encoder.encode(handshake_reply)
         self._debug = debug
         self._held = held
         self._wakeup = wakeup
@@ -81,35 +103,26 @@ class SideChannelServer:
                 continue
             ident, empty, payload = self._sock.recv_multipart()
             try:
-                msg = msgspec.msgpack.decode(payload)
-                reply = self._handle(msg)
+                reply = self._handle(request_decoder.decode(payload))
             except Exception as e:  # a malformed message fails that call only
                 logger.warning("[handshake] bad side-channel message: %s", e)
-                reply = msgspec.msgpack.encode({"ok": False, "error": str(e)})
+                reply = encoder.encode(ErrorReply(str(e)))
             self._sock.send_multipart([ident, empty, reply])
         self._sock.close()
 
-    def _handle(self, msg: dict[str, Any]) -> bytes:
-        op = msg.get("op")
-        if op == "handshake":
-            logger.info("[handshake] serving agent metadata to %s", msg.get("engine_id", "?"))
+    def _handle(self, msg: SideChannelRequest) -> bytes:
+        if isinstance(msg, Handshake):
+            logger.info("[handshake] serving agent metadata to %s", msg.engine_id)
             return self._reply
-        if op == "heartbeat":
-            for rid in msg["ids"]:
-                self.events.put(("heartbeat", str(rid)))
-            self._wakeup()
-            # Ids no longer held (lease ran out): the decode engine must not read them.
-            held = self._held() if self._held is not None else set(msg["ids"])
-            return msgspec.msgpack.encode({"ok": True, "expired": [r for r in msg["ids"] if r not in held]})
-        elif op == "release":
-            for rid, n in msg["items"]:
-                self.events.put(("release", str(rid), int(n)))
-        elif op == "debug":
-            return msgspec.msgpack.encode({"ok": True, **self._debug()})
-        else:
-            raise ValueError(f"unknown op {op!r}")
+        if isinstance(msg, Debug):
+            return encoder.encode(self._debug())
+        self.events.put(msg)
         self._wakeup()
-        return msgspec.msgpack.encode({"ok": True})
+        if isinstance(msg, Heartbeat):
+            # Ids no longer held (lease ran out): the decode engine must not read them.
+            held = self._held() if self._held is not None else set(msg.ids)
+            return encoder.encode(HeartbeatReply([r for r in msg.ids if r not in held]))
+        return encoder.encode(Ack())
 
     def close(self) -> None:
         self._stop.set()
@@ -118,4 +131,5 @@ class SideChannelServer:
 
 
 if __name__ == "__main__":
-    print(json.dumps(call(sys.argv[1], {"op": "debug"}), indent=2, default=str))
+    view = call(sys.argv[1], Debug(), DebugView)
+    print(msgspec.json.format(msgspec.json.encode(view), indent=2).decode())
