@@ -120,10 +120,6 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs)
 
-    @property
-    def num_live(self) -> int:
-        return len(self.requests)
-
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -180,11 +176,7 @@ class Scheduler:
         assert self.connector is not None
         # Blocks become prefix-cache hits only once their KV has arrived: another request must not
         # hit them mid-read. The next allocate_slots (for the last token) caches them.
-        caching, self.kv.enable_caching = self.kv.enable_caching, False
-        try:
-            new = self.kv.allocate_slots(req, req.num_prompt_tokens - 1 - num_hit_tokens, hits)
-        finally:
-            self.kv.enable_caching = caching
+        new = self.kv.allocate_slots(req, req.num_prompt_tokens - 1 - num_hit_tokens, hits, cache_blocks=False)
         if new is None:
             return False
         self.waiting.popleft()
