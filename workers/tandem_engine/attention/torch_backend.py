@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -132,22 +133,22 @@ int tandem_paged_attention_f32(const float *q, int64_t q_tok_stride, const float
 }
 """
 
-_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_kernel_tried = False
+# One load attempt per cache directory (None: it could not be built).
+_kernels: dict[Path, ctypes._CFuncPtr | None] = {}  # type: ignore[name-defined]
 
 
-def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """Build (once per source version, cached on disk) and load the C kernel; None if impossible."""
-    global _kernel, _kernel_tried
-    if _kernel_tried:
-        return _kernel
-    _kernel_tried = True
-    if os.environ.get("TANDEM_CPU_KERNEL", "1") == "0":
-        return None
+def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Build (once per source version, cached under `cache_dir`/kernels) and load the C kernel; None if
+    impossible."""
+    if cache_dir not in _kernels:
+        _kernels[cache_dir] = _build_and_load(cache_dir / "kernels")
+    return _kernels[cache_dir]
+
+
+def _build_and_load(root: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
     # -march=native code must not be reused on another CPU (a shared home or a baked image): key on it.
     key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + _cpu_id()).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TANDEM_CACHE_DIR", "~/.cache/tandem")).expanduser() / "kernels"
     so = root / f"paged_attention_{key}.so"
     try:
         if not so.is_file():
@@ -170,7 +171,6 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
-    _kernel = fn
     return fn
 
 
@@ -219,9 +219,11 @@ class _Plan:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, use_kernel: bool | None = None) -> None:
-        """use_kernel: None = use the C kernel where it applies and builds; False = torch only."""
-        self._kernel = load_kernel() if use_kernel is not False else None
+    def __init__(self, use_kernel: bool | None = None, cache_dir: Path | None = None) -> None:
+        """use_kernel: None = use the C kernel where it applies and builds; False = torch only.
+        cache_dir: where the built kernel is kept (None: EngineConfig's default)."""
+        cache = cache_dir if cache_dir is not None else Path(default_cache_dir()).expanduser()
+        self._kernel = load_kernel(cache) if use_kernel is not False else None
         if use_kernel and self._kernel is None:
             raise RuntimeError("the CPU attention kernel could not be built")
         self._plan_meta: AttentionMetadata | None = None
