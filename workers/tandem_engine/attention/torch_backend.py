@@ -15,6 +15,7 @@ the cache must never hold NaN/inf (allocate it with torch.zeros).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -133,19 +134,12 @@ int tandem_paged_attention_f32(const float *q, int64_t q_tok_stride, const float
 }
 """
 
-# One load attempt per cache directory (None: it could not be built).
-_kernels: dict[Path, ctypes._CFuncPtr | None] = {}  # type: ignore[name-defined]
 
-
+@functools.cache  # one attempt per directory
 def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """Build (once per source version, cached under `cache_dir`/kernels) and load the C kernel; None if
     impossible."""
-    if cache_dir not in _kernels:
-        _kernels[cache_dir] = _build_and_load(cache_dir / "kernels")
-    return _kernels[cache_dir]
-
-
-def _build_and_load(root: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    root = cache_dir / "kernels"
     flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
     # -march=native code must not be reused on another CPU (a shared home or a baked image): key on it.
     key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + _cpu_id()).encode()).hexdigest()[:16]
