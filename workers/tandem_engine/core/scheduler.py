@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_engine.config import KVFailurePolicy
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.kv_transfer.interface import KVConnectorOutput, KVConnectorScheduler
 from tandem_engine.protocol import EngineCoreOutput, Logprobs, SchedulerStats
@@ -58,7 +59,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
-        kv_failure_policy: str = "fail",
+        kv_failure_policy: KVFailurePolicy = "fail",
     ) -> None:
         self.kv = kv_cache_manager
         self.connector = connector
