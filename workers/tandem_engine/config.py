@@ -1,20 +1,41 @@
-"""One engine config, built from `tandem serve` flags and handed whole to every EngineCore process."""
+"""One engine config, built from `tandem serve` flags and handed whole to every EngineCore process.
+
+Its defaults are the flags' defaults (`tandem serve --help` shows them); two of them may come from the
+environment, where the operator and tests set them.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from tandem_engine.cpu_budget import ThreadPlan, plan_threads
 
 Role = Literal["both", "prefill", "decode"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVFailurePolicy = Literal["fail", "recompute"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+
+SERVED_MODEL_NAME_ENV = "TANDEM_SERVED_MODEL_NAME"  # set by the operator on every engine pod
+CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+    """Where dequantized GGUF models and the built CPU attention kernel are kept."""
+    return os.environ.get(CACHE_DIR_ENV) or "~/.cache/tandem"
+
+
+def _served_model_name_from_env() -> str | None:
+    return os.environ.get(SERVED_MODEL_NAME_ENV) or None
 
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    served_model_name: str | None = None
-    dtype: str = "auto"
+    served_model_name: str | None = field(default_factory=_served_model_name_from_env)
+    dtype: DType = "auto"
     role: Role = "both"
     # Model limits; None means "from the model's config".
     max_model_len: int | None = None
@@ -33,16 +54,23 @@ class EngineConfig:
     kv_side_channel_port: int = 5600
     kv_host: str = "127.0.0.1"
     kv_lease_seconds: float = 30.0
-    kv_failure_policy: Literal["fail", "recompute"] = "fail"
+    kv_failure_policy: KVFailurePolicy = "fail"
     kv_transfer_threads: int = 2  # UCX threads that split one READ into parallel copies (0: none)
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Compute
+    attention_backend: AttentionBackendName = "auto"
+    cpu_attention_kernel: bool = True  # the C paged-attention kernel of the torch backend, where it builds
+    onednn_pack: bool = True  # oneDNN-prepacked weights for batched CPU matmuls (models/packed_linear.py)
+    cache_dir: str = field(default_factory=default_cache_dir)
     # Start-up
     ready_timeout_s: float = 600.0
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser()
 
     def thread_plan(self) -> ThreadPlan:
         """Intra-op threads per EngineCore, from the CPUs this process may use (docs/operations.md)."""

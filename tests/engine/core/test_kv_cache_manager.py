@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem_engine.core.block_pool import BlockPool, hash_blocks
+from tandem_engine.core.block_pool import BlockPool
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
@@ -43,12 +43,18 @@ def test_double_free_is_an_error() -> None:
         pool.free([b])
 
 
+def block_hashes(tokens: list[int]) -> list[int]:
+    req = make_req("h", tokens)
+    KVCacheManager(num_blocks=4, block_size=BS).update_block_hashes(req)
+    return req.block_hashes
+
+
 def test_hashes_are_chained_and_stable() -> None:
-    a = hash_blocks(list(range(8)), BS)
-    b = hash_blocks(list(range(8)), BS)
+    a = block_hashes(list(range(8)))
+    b = block_hashes(list(range(8)))
     assert a == b and len(a) == 2
     # Same second block, different first block: different chained hash.
-    c = hash_blocks([9, 9, 9, 9] + list(range(4, 8)), BS)
+    c = block_hashes([9, 9, 9, 9] + list(range(4, 8)))
     assert c[1] != a[1]
 
 
@@ -115,3 +121,14 @@ def test_duplicate_content_blocks_stay_private() -> None:
     # a's blocks are cached at allocation, so b hits them.
     hits, n = kv.get_computed_blocks(b)
     assert hits == [1, 2] and n == 8
+
+
+def test_blocks_allocated_without_caching_are_cached_by_the_next_allocation() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    a = make_req("a", list(range(9)))
+    # Blocks whose KV is still to arrive from another engine must not be hit yet.
+    assert kv.allocate_slots(a, 8, cache_blocks=False) == [1, 2]
+    assert kv.get_computed_blocks(make_req("b", list(range(9)))) == ([], 0)
+    a.num_computed_tokens = 8
+    assert kv.allocate_slots(a, 1) == [3]
+    assert kv.get_computed_blocks(make_req("c", list(range(9)))) == ([1, 2], 8)

@@ -16,6 +16,7 @@ import torch
 
 from tandem_engine.models import loader
 from tandem_engine.models.llama import LlamaForCausalLM
+from tandem_engine.models.packed_linear import packing_supported
 from tests.engine.utils import hf_greedy, paged_greedy
 
 
@@ -83,10 +84,15 @@ def first_load(cache_dir: Path) -> Iterator[tuple[loader.LoadedModel, int]]:
     mp.undo()
 
 
-def test_resolve_model(tmp_path: Path) -> None:
+def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "from-env"))
     src = loader.resolve_model("smollm2-135m-instruct")
     assert src.kind == "gguf" and src.path.suffix == ".gguf" and src.path.is_file()
     assert src.served_name == "smollm2-135m-instruct"
+    assert src.cache_dir == tmp_path / "from-env"
+    # An explicit directory (--cache-dir) wins over the environment.
+    src = loader.resolve_model("smollm2-135m-instruct", tmp_path / "flag")
+    assert loader.gguf_cache_dir(src).parent == tmp_path / "flag"
     with pytest.raises(FileNotFoundError):
         loader.resolve_model(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -153,3 +159,15 @@ def test_greedy_matches_transformers_generate(
     assert got[0] == ref, (tok.decode(got[0]), tok.decode(ref))
     for a, b in zip(got_logits[0], ref_logits, strict=True):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32, torch.device("cpu")),
+                    reason="this torch build cannot pack weights for oneDNN")
+def test_onednn_pack_off_keeps_plain_weights_only(
+    first_load: tuple[loader.LoadedModel, int], cache_dir: Path
+) -> None:
+    loaded, _ = first_load
+    assert loaded.model.packed_lm_head is not None
+    plain = loader.load_model(loader.resolve_model(loader.SMOLLM2_ALIAS, cache_dir), torch.float32,
+                              onednn_pack=False)
+    assert plain.model.packed_lm_head is None

@@ -15,6 +15,7 @@ the cache must never hold NaN/inf (allocate it with torch.zeros).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +39,15 @@ KERNEL_MAX_QUERY_LEN = 2
 # The kernel's C source ships beside this module; the built library is keyed on its text.
 _KERNEL_SRC = (Path(__file__).parent / "paged_attention.c").read_text()
 
-_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_kernel_tried = False
 
-
-def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """Build (once per source version, cached on disk) and load the C kernel; None if impossible."""
-    global _kernel, _kernel_tried
-    if _kernel_tried:
-        return _kernel
-    _kernel_tried = True
-    if os.environ.get("TANDEM_CPU_KERNEL", "1") == "0":
-        return None
+@functools.cache  # one attempt per directory
+def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Build (once per source version, cached under `cache_dir`/kernels) and load the C kernel; None if
+    impossible."""
+    root = cache_dir / "kernels"
     flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
     # -march=native code must not be reused on another CPU (a shared home or a baked image): key on it.
     key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + _cpu_id()).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TANDEM_CACHE_DIR", "~/.cache/tandem")).expanduser() / "kernels"
     so = root / f"paged_attention_{key}.so"
     try:
         if not so.is_file():
@@ -75,7 +70,6 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
-    _kernel = fn
     return fn
 
 
@@ -124,9 +118,11 @@ class _Plan:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, use_kernel: bool | None = None) -> None:
-        """use_kernel: None = use the C kernel where it applies and builds; False = torch only."""
-        self._kernel = load_kernel() if use_kernel is not False else None
+    def __init__(self, use_kernel: bool | None = None, cache_dir: Path | None = None) -> None:
+        """use_kernel: None = use the C kernel where it applies and builds; False = torch only.
+        cache_dir: where the built kernel is kept (None: EngineConfig's default)."""
+        cache = cache_dir if cache_dir is not None else Path(default_cache_dir()).expanduser()
+        self._kernel = load_kernel(cache) if use_kernel is not False else None
         if use_kernel and self._kernel is None:
             raise RuntimeError("the CPU attention kernel could not be built")
         self._plan_meta: AttentionMetadata | None = None

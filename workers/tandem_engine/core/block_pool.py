@@ -21,15 +21,6 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int = NONE_HASH) -> list[int]:
-    """Hashes of every full block of `token_ids`, chained from `parent_hash`."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
-        hashes.append(parent_hash)
-    return hashes
-
-
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
@@ -107,7 +98,3 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self._cached.get(h) == block_id:
                 del self._cached[h]
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self._free):
-            self._evict(block_id)

@@ -25,10 +25,10 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.engine_index = engine_index
-        src = resolve_model(config.model)
+        src = resolve_model(config.model, config.cache_path)
         # CUDA when present (Triton attention); otherwise the CPU with the torch/C attention backend.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(src, pick_dtype(config.dtype), self.device)
+        loaded = load_model(src, pick_dtype(config.dtype), self.device, onednn_pack=config.onednn_pack)
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.runner = ModelRunner(config, loaded, self.max_model_len, self.device)

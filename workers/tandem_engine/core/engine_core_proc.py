@@ -53,7 +53,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAd
     # Ctrl-C reaches the whole process group; the frontend owns shutdown, so the engine ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        import setproctitle  # type: ignore[import-not-found]
+        import setproctitle
 
         setproctitle.setproctitle(f"tandem::EngineCore_{engine_index}")
     except ImportError:

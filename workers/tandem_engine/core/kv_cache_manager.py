@@ -66,11 +66,16 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self, req: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (), *,
+        cache_blocks: bool = True,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus the
         prefix hits in `new_computed_blocks`). Returns the newly allocated block ids, or None (and
-        changes nothing) when the pool is short."""
+        changes nothing) when the pool is short.
+
+        `cache_blocks=False` keeps the blocks out of the prefix cache for now: their KV is still to
+        arrive from another engine, so no request may hit them yet. A later call caches them.
+        """
         bs = self.block_size
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * bs
@@ -86,7 +91,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.allocate(num_needed) if num_needed > 0 else []
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache_blocks:
             self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return new_blocks
 
@@ -109,6 +114,3 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self._num_cached_blocks.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_engine.config import KVFailurePolicy
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.kv_transfer.interface import KVConnectorOutput, KVConnectorScheduler
 from tandem_engine.protocol import EngineCoreOutput, Logprobs, SchedulerStats
@@ -58,7 +59,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
-        kv_failure_policy: str = "fail",
+        kv_failure_policy: KVFailurePolicy = "fail",
     ) -> None:
         self.kv = kv_cache_manager
         self.connector = connector
@@ -120,10 +121,6 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs)
 
-    @property
-    def num_live(self) -> int:
-        return len(self.requests)
-
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -180,11 +177,7 @@ class Scheduler:
         assert self.connector is not None
         # Blocks become prefix-cache hits only once their KV has arrived: another request must not
         # hit them mid-read. The next allocate_slots (for the last token) caches them.
-        caching, self.kv.enable_caching = self.kv.enable_caching, False
-        try:
-            new = self.kv.allocate_slots(req, req.num_prompt_tokens - 1 - num_hit_tokens, hits)
-        finally:
-            self.kv.enable_caching = caching
+        new = self.kv.allocate_slots(req, req.num_prompt_tokens - 1 - num_hit_tokens, hits, cache_blocks=False)
         if new is None:
             return False
         self.waiting.popleft()

@@ -9,60 +9,101 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, get_args
 
-from tandem_engine.config import EngineConfig
+from tandem_engine.config import (
+    CACHE_DIR_ENV,
+    SERVED_MODEL_NAME_ENV,
+    AttentionBackendName,
+    DType,
+    EngineConfig,
+    KVFailurePolicy,
+    Role,
+)
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger("tandem_engine.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over an OpenAI-compatible API.")
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="safetensors directory, .gguf file, or the alias smollm2-135m-instruct")
-    p.add_argument("--served-model-name", default=os.environ.get("TANDEM_SERVED_MODEL_NAME") or None,
-                   help="model id in the API (default: $TANDEM_SERVED_MODEL_NAME, else --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size per engine (GiB)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides GiB)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per EngineCore")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--kv-side-channel-port", type=int, default=5600)
-    p.add_argument("--kv-host", default="127.0.0.1", help="address decode engines use to reach this one")
-    p.add_argument("--kv-lease-seconds", type=float, default=30.0)
-    p.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"])
-    p.add_argument("--kv-transfer-threads", type=int, default=2,
-                   help="UCX threads that split one KV read into parallel copies (0: the progress thread only)")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for EngineCore READY")
-    p.add_argument("--log-level", default="info")
+    """Every EngineConfig field is a flag of the same name (`dest`), with the config's default."""
+    p = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over an OpenAI-compatible API.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = EngineConfig()
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="HTTP port")
+    server.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    server.add_argument("--ready-timeout", dest="ready_timeout_s", type=float, default=d.ready_timeout_s,
+                        help="seconds to wait for every EngineCore's READY")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=d.model,
+                       help="safetensors directory, .gguf file, or the alias smollm2-135m-instruct")
+    model.add_argument("--served-model-name", default=d.served_model_name,
+                       help=f"model id in the API; ${SERVED_MODEL_NAME_ENV} when set, None: --model")
+    model.add_argument("--dtype", default=d.dtype, choices=get_args(DType),
+                       help="auto: bfloat16 on a GPU or a CPU with native bf16, else float32")
+    model.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="context length; None: the model's")
+    model.add_argument("--cache-dir", default=d.cache_dir,
+                       help=f"dequantized GGUF models and the built CPU kernel; ${CACHE_DIR_ENV} when set")
+    _add_engine_flags(p, d)
+    _add_kv_transfer_flags(p, d)
     return p
 
 
+def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
+    cache = p.add_argument_group("KV cache and scheduling")
+    cache.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    cache.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV cache size per engine (GiB)")
+    cache.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+                       help="exact number of KV blocks, overriding --kv-cache-gib")
+    cache.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
+    cache.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests in one batch")
+    cache.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="tokens in one step (prefill chunks and decodes)")
+    compute = p.add_argument_group("compute")
+    compute.add_argument("--data-parallel-size", type=int, default=d.data_parallel_size,
+                         help="EngineCore processes behind this frontend")
+    compute.add_argument("--num-threads", type=int, default=d.num_threads,
+                         help="torch threads per EngineCore; None: the CPUs this process may use, split "
+                              "among the EngineCores")
+    compute.add_argument("--attention-backend", default=d.attention_backend,
+                         choices=get_args(AttentionBackendName), help="auto: triton on a GPU, else torch")
+    compute.add_argument("--cpu-attention-kernel", action=argparse.BooleanOptionalAction,
+                         default=d.cpu_attention_kernel,
+                         help="the torch backend's C paged-attention kernel (built on first use)")
+    compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
+                         help="oneDNN-prepacked weights for batched CPU matmuls")
+
+
+def _add_kv_transfer_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
+    kv = p.add_argument_group("prefill/decode disaggregation")
+    kv.add_argument("--role", default=d.role, choices=get_args(Role),
+                    help="both: a colocated engine; prefill or decode: one side of a P/D pair")
+    kv.add_argument("--kv-side-channel-port", type=int, default=d.kv_side_channel_port,
+                    help="port a prefill engine serves its KV metadata on")
+    kv.add_argument("--kv-host", default=d.kv_host, help="address decode engines use to reach this one")
+    kv.add_argument("--kv-lease-seconds", type=float, default=d.kv_lease_seconds,
+                    help="how long a prefill engine holds blocks for a decode engine to read")
+    kv.add_argument("--kv-failure-policy", default=d.kv_failure_policy, choices=get_args(KVFailurePolicy),
+                    help="a decode engine's answer to a failed KV read: fail the request or recompute it")
+    kv.add_argument("--kv-transfer-threads", type=int, default=d.kv_transfer_threads,
+                    help="UCX threads that split one KV read into parallel copies (0: the progress thread only)")
+
+
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, role=a.role,
-        max_model_len=a.max_model_len, block_size=a.block_size, kv_cache_gib=a.kv_cache_gib,
-        num_kv_blocks=a.num_kv_blocks, enable_prefix_caching=not a.no_prefix_caching,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        data_parallel_size=a.data_parallel_size, num_threads=a.num_threads,
-        kv_side_channel_port=a.kv_side_channel_port, kv_host=a.kv_host, kv_lease_seconds=a.kv_lease_seconds,
-        kv_failure_policy=a.kv_failure_policy, kv_transfer_threads=a.kv_transfer_threads,
-        attention_backend=a.attention_backend,
-        ready_timeout_s=a.ready_timeout,
-    )
+    """The EngineConfig named by the parsed flags (the server flags --host, --port, --log-level aside)."""
+    return EngineConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> int:
@@ -71,26 +112,26 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     from tandem_engine.entrypoints.api_server import build_app
     from tandem_engine.frontend.async_llm import AsyncLLM
     from tandem_engine.frontend.core_client import EngineStartupError
+    from tandem_engine.frontend.interface import EngineDeadError
 
-    _Server = _make_server_class()
+    server_class = _make_server_class()
     t0 = time.perf_counter()
-    engine = AsyncLLM(config)
     try:
-        await engine.start()
+        engine = await AsyncLLM.create(config)
     except EngineStartupError as e:
         logger.error("[startup] %s", e)
         return 1
     app = build_app(engine, engine.metrics.registry)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=30, access_log=False))
+    server = server_class(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=30, access_log=False))
     exit_code = 0
 
-    def on_dead(message: str) -> None:
+    def on_dead(error: EngineDeadError) -> None:
         nonlocal exit_code
         exit_code = 1
         server.should_exit = True
 
-    engine.core._on_dead = _chain(engine.core._on_dead, on_dead)
+    engine.add_death_callback(on_dead)
     logger.info("[startup] ready in %.1fs: http://%s:%d (model %s)", time.perf_counter() - t0, host, port,
                 engine.model_name)
     try:
@@ -103,7 +144,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     return exit_code if not server.started or exit_code else 0
 
 
-def _make_server_class():  # type: ignore[no-untyped-def]
+def _make_server_class() -> type[uvicorn.Server]:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -111,7 +152,7 @@ def _make_server_class():  # type: ignore[no-untyped-def]
         the engines are shut down and turn a clean exit into -15: handle the signals ourselves."""
 
         @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[no-untyped-def,override]
+        def capture_signals(self) -> Iterator[None]:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self.handle_exit, sig, None)
@@ -122,13 +163,6 @@ def _make_server_class():  # type: ignore[no-untyped-def]
                     loop.remove_signal_handler(sig)
 
     return Server
-
-
-def _chain(*fns):  # type: ignore[no-untyped-def]
-    def call(message: str) -> None:
-        for fn in fns:
-            fn(message)
-    return call
 
 
 def main(argv: list[str]) -> int:

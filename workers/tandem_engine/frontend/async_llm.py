@@ -6,10 +6,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+from transformers import PretrainedConfig
+
 from tandem_engine.config import EngineConfig
+from tandem_engine.cpu_budget import ThreadPlan
 from tandem_engine.frontend.core_client import CoreClient
 from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
 from tandem_engine.frontend.metrics import EngineMetrics
@@ -22,39 +26,54 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM(EngineClient):
-    def __init__(self, config: EngineConfig) -> None:
-        # Decide the EngineCores' thread count here, once, so the log and the metric say what they use.
-        self.thread_plan = config.thread_plan()
-        config = dataclasses.replace(config, num_threads=self.thread_plan.threads)
-        logger.info("[startup] %d intra-op thread(s) per EngineCore: %s", self.thread_plan.threads,
-                    self.thread_plan.reason)
-        self.config = config
-        self.src = resolve_model(config.model)
-        self.model_name = config.served_model_name or self.src.served_name
-        self.metrics = EngineMetrics(self.model_name)
-        self.metrics.record_thread_plan(self.thread_plan)
-        self.core = CoreClient(config, self._on_outputs, self._on_dead)
-        self.max_model_len = 0
-        self._dead: BaseException | None = None
-        self._draining = False
-        self._started = False
+    """The frontend of one engine. `await AsyncLLM.create(config)` returns it started: every
+    EngineCore READY and its outputs flowing."""
 
-    async def start(self) -> None:
-        """Launch the EngineCores first, load the tokenizer while they load the model, wait for READY."""
+    @classmethod
+    async def create(cls, config: EngineConfig) -> AsyncLLM:
+        """Launch the EngineCores first, load the tokenizer while they load the model, wait for READY.
+        Raises EngineStartupError (the engines stopped) if one fails to start."""
         t0 = time.perf_counter()
-        self.core.launch()
+        # Decide the EngineCores' thread count here, once, so the log and the metric say what they use.
+        plan = config.thread_plan()
+        config = dataclasses.replace(config, num_threads=plan.threads)
+        logger.info("[startup] %d intra-op thread(s) per EngineCore: %s", plan.threads, plan.reason)
+        src = resolve_model(config.model, config.cache_path)
+        core = CoreClient(config)
+        core.launch()
         try:
-            self.hf_config, self.tokenizer, self.generation_config = await asyncio.to_thread(
-                load_config_and_tokenizer, self.src)
+            hf_config, tokenizer, generation_config = await asyncio.to_thread(load_config_and_tokenizer, src)
+            await core.wait_ready()
         except BaseException:
-            self.core.terminate()
+            core.terminate()
             raise
-        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer, self.generation_config)
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
-        await self.core.start()
-        self.max_model_len = self.core.max_model_len
-        self._started = True
-        logger.info("[startup] %d engine(s) ready in %.1fs", len(self.core.procs), time.perf_counter() - t0)
+        engine = cls(config, plan, core, hf_config, tokenizer,
+                     eos_token_ids(hf_config, tokenizer, generation_config))
+        logger.info("[startup] %d engine(s) ready in %.1fs", len(core.procs), time.perf_counter() - t0)
+        return engine
+
+    def __init__(self, config: EngineConfig, thread_plan: ThreadPlan, core: CoreClient,
+                 hf_config: PretrainedConfig, tokenizer: Any, eos_ids: list[int]) -> None:
+        """Takes a core client whose engines are READY (see `create`) and starts consuming its outputs."""
+        self.config = config
+        self.thread_plan = thread_plan
+        self.model_name = config.served_name
+        self.metrics = EngineMetrics(self.model_name)
+        self.metrics.record_thread_plan(thread_plan)
+        self.core = core
+        self.max_model_len = core.max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size: int | None = int(getattr(hf_config, "vocab_size", 0)) or None
+        self.eos_token_ids = eos_ids
+        self.output_processor = OutputProcessor(tokenizer, self.metrics)
+        self._dead: EngineDeadError | None = None
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._draining = False
+        core.run(self._on_outputs, self._on_dead)
+
+    def add_death_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback` when an EngineCore dies, after every pending request has failed."""
+        self._death_callbacks.append(callback)
 
     async def shutdown(self, drain: bool = True) -> None:
         self._draining = True
@@ -66,7 +85,7 @@ class AsyncLLM(EngineClient):
     # -- EngineClient -------------------------------------------------------------------------
     @property
     def is_ready(self) -> bool:
-        return self._started and self._dead is None and not self._draining
+        return self._dead is None and not self._draining
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -102,7 +121,7 @@ class AsyncLLM(EngineClient):
         # Room left in the context caps max_tokens (finish_reason "length").
         room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens > room:
-            params = SamplingParams(**{**_struct_dict(params), "max_tokens": room})
+            params = msgspec.structs.replace(params, max_tokens=room)
         q = self.output_processor.add_request(request_id, len(prompt_token_ids), params)
         req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
                                 kv_transfer_params)
@@ -138,7 +157,7 @@ class AsyncLLM(EngineClient):
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens", "prompt")
-        vocab = int(getattr(self.hf_config, "vocab_size", 0)) or None
+        vocab = self.vocab_size
         if vocab is not None and any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
 
@@ -151,14 +170,13 @@ class AsyncLLM(EngineClient):
     # -- callbacks from the core client -------------------------------------------------------
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         self.output_processor.process(outputs)
-        if self.output_processor.to_abort:
-            ids, self.output_processor.to_abort = self.output_processor.to_abort, []
+        ids = self.output_processor.take_aborts()
+        if ids:
             asyncio.get_running_loop().create_task(self._abort_quietly(ids))
 
     def _on_dead(self, message: str) -> None:
         self._dead = EngineDeadError(message)
         self.output_processor.fail_all(self._dead)
+        for callback in self._death_callbacks:
+            callback(self._dead)
 
-
-def _struct_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f: getattr(params, f) for f in params.__struct_fields__}

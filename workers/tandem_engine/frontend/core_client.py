@@ -13,7 +13,6 @@ import multiprocessing
 import multiprocessing.connection
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import zmq
@@ -41,17 +40,19 @@ class EngineStartupError(RuntimeError):
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
-                 on_dead: Callable[[str], None]) -> None:
+    """Three phases, in order: `launch()` the processes, `wait_ready()` for their handshake, then
+    `run()` the IO tasks that deliver outputs and announce a dead engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._on_outputs = on_outputs
-        self._on_dead = on_dead
         self.ctx = zmq.asyncio.Context(io_threads=2)
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.input_socket.bind("tcp://127.0.0.1:*")
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.bind("tcp://127.0.0.1:*")
+        self._handshake = self.ctx.socket(zmq.ROUTER)
+        self._handshake.bind("tcp://127.0.0.1:*")
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.ready: list[ReadyMessage] = []
         self.engine_load = [0] * config.data_parallel_size
@@ -66,12 +67,10 @@ class CoreClient:
     def launch(self) -> None:
         """Start the EngineCore processes; they load the model while the frontend loads its tokenizer."""
         # tcp://127.0.0.1:* placeholders resolved to the endpoints actually bound.
-        self._handshake = self.ctx.socket(zmq.ROUTER)
-        self._handshake.bind("tcp://127.0.0.1:*")
         addresses = EngineAddresses(
-            input=self.input_socket.getsockopt(zmq.LAST_ENDPOINT).decode(),
-            output=self.output_socket.getsockopt(zmq.LAST_ENDPOINT).decode(),
-            handshake=self._handshake.getsockopt(zmq.LAST_ENDPOINT).decode(),
+            input=self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
+            output=self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT),
+            handshake=self._handshake.getsockopt_string(zmq.LAST_ENDPOINT),
         )
         mp = multiprocessing.get_context("spawn")
         for i in range(self.config.data_parallel_size):
@@ -80,12 +79,10 @@ class CoreClient:
             p.start()
             self.procs.append(p)
 
-    async def start(self, timeout_s: float | None = None) -> None:
-        """Launch the engines (unless `launch()` already did) and wait for every READY; raises
-        EngineStartupError on failure."""
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait for every launched engine's READY; raises EngineStartupError (engines terminated) on
+        failure."""
         timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
-        if not self.procs:
-            self.launch()
         try:
             await self._wait_for_ready(self._handshake, timeout_s)
         except BaseException:
@@ -96,8 +93,13 @@ class CoreClient:
         # Each engine's input DEALER announced itself with an empty frame; drain those.
         for _ in self.procs:
             await asyncio.wait_for(self.input_socket.recv_multipart(), 30)
-        self._tasks.append(asyncio.create_task(self._output_loop(), name="core-client-outputs"))
-        self._tasks.append(asyncio.create_task(self._monitor_procs(), name="core-client-monitor"))
+
+    def run(self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[str], None]) -> None:
+        """Deliver every engine's outputs to `on_outputs`, and the reason to `on_dead` when an engine
+        dies outside shutdown (a death can be reported twice: by its sentinel and by its exit)."""
+        self._tasks.append(asyncio.create_task(self._output_loop(on_outputs, on_dead),
+                                               name="core-client-outputs"))
+        self._tasks.append(asyncio.create_task(self._monitor_procs(on_dead), name="core-client-monitor"))
 
     async def _wait_for_ready(self, handshake: zmq.asyncio.Socket, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -125,34 +127,35 @@ class CoreClient:
                         "(see its log lines above)")
         self.ready.sort(key=lambda m: m.engine_index)
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, on_outputs: Callable[[EngineCoreOutputs], None],
+                           on_dead: Callable[[str], None]) -> None:
         while True:
             frames = await self.output_socket.recv_multipart(copy=False)
             outputs = outputs_decoder.decode(frames[0].buffer)
             if outputs.dead_error is not None:
-                self._dead(f"EngineCore {outputs.engine_index} died: {outputs.dead_error}")
+                self._dead(on_dead, f"EngineCore {outputs.engine_index} died: {outputs.dead_error}")
                 return
             for out in outputs.outputs:
                 if out.finish_reason is not None:
                     idx = self.owner.pop(out.request_id, None)
                     if idx is not None:
                         self.engine_load[idx] -= 1
-            self._on_outputs(outputs)
+            on_outputs(outputs)
 
-    async def _monitor_procs(self) -> None:
+    async def _monitor_procs(self, on_dead: Callable[[str], None]) -> None:
         sentinels = [p.sentinel for p in self.procs]
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, multiprocessing.connection.wait, sentinels)
         if not self._closing:
             dead = [p for p in self.procs if not p.is_alive()]
             codes = ", ".join(f"EngineCore {self.procs.index(p)} exit code {p.exitcode}" for p in dead)
-            self._dead(f"EngineCore process died unexpectedly ({codes})")
+            self._dead(on_dead, f"EngineCore process died unexpectedly ({codes})")
 
-    def _dead(self, message: str) -> None:
+    def _dead(self, on_dead: Callable[[str], None], message: str) -> None:
         if self._closing:
             return
         logger.error("[fatal] %s", message.splitlines()[0])
-        self._on_dead(message)
+        on_dead(message)
 
     async def add_request(self, req: EngineCoreRequest) -> None:
         idx = min(range(len(self.engine_load)), key=self.engine_load.__getitem__)
@@ -204,6 +207,3 @@ class CoreClient:
             if p.is_alive():
                 p.kill()
                 p.join()
-
-    def engine_info(self) -> dict[str, Any]:
-        return {"engines": [msgspec.structs.asdict(m) for m in self.ready], "load": list(self.engine_load)}

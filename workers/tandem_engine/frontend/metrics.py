@@ -8,7 +8,7 @@ from tandem_engine.cpu_budget import ThreadPlan
 from tandem_engine.protocol import SchedulerStats
 
 # `_created` series double the scrape size and no vLLM dashboard reads them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)

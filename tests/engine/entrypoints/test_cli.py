@@ -1,0 +1,57 @@
+"""`tandem serve` flags: one per EngineConfig field, with the config's defaults, copied whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem_engine.config import EngineConfig
+from tandem_engine.entrypoints.cli import build_parser, config_from_args
+from tandem_engine.worker.model_runner import select_backend
+
+
+def test_every_config_field_is_a_flag_with_the_configs_default() -> None:
+    parser = build_parser()
+    defaults = {a.dest: a.default for a in parser._actions}
+    for f in dataclasses.fields(EngineConfig):
+        assert f.name in defaults, f"EngineConfig.{f.name} has no `tandem serve` flag"
+        assert defaults[f.name] == getattr(EngineConfig(), f.name), f.name
+    assert config_from_args(parser.parse_args([])) == EngineConfig()
+
+
+def test_flags_reach_the_config() -> None:
+    args = build_parser().parse_args([
+        "--model", "/m", "--dtype", "float32", "--role", "decode", "--max-model-len", "512",
+        "--num-kv-blocks", "8", "--no-prefix-caching", "--ready-timeout", "5", "--kv-failure-policy",
+        "recompute", "--no-cpu-attention-kernel", "--no-onednn-pack", "--cache-dir", "/tmp/c",
+        "--port", "9000",
+    ])
+    config = config_from_args(args)
+    assert config == dataclasses.replace(
+        EngineConfig(), model="/m", dtype="float32", role="decode", max_model_len=512, num_kv_blocks=8,
+        enable_prefix_caching=False, ready_timeout_s=5.0, kv_failure_policy="recompute",
+        cpu_attention_kernel=False, onednn_pack=False, cache_dir="/tmp/c",
+    )
+    assert args.port == 9000
+
+
+def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/var/cache/t")
+    monkeypatch.setenv("TANDEM_SERVED_MODEL_NAME", "served")
+    config = config_from_args(build_parser().parse_args([]))
+    assert config.cache_dir == "/var/cache/t" and config.served_name == "served"
+    assert config_from_args(build_parser().parse_args(["--cache-dir", "/x"])).cache_path == Path("/x")
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_cpu_attention_kernel_flag_and_cache_dir_reach_the_backend(tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    off = select_backend(EngineConfig(cpu_attention_kernel=False, cache_dir=str(tmp_path)), cpu)
+    assert off.name == "torch" and not (tmp_path / "kernels").exists()
+    on = select_backend(EngineConfig(cache_dir=str(tmp_path)), cpu)
+    assert on.name == "torch" and list((tmp_path / "kernels").glob("paged_attention_*.so"))
