@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 from tandem_router.policies import POLICIES
-from tandem_router.procs import TANDEM, Child, free_port, healthy, port_in_use
+from tandem_router.procs import TANDEM, Child, free_port, healthy, port_in_use, stop_all
 
 MAX_RESTARTS = 5
 
@@ -107,13 +107,8 @@ class Stack:
 
     def stop(self, timeout: float = 15.0) -> None:
         for group in ([self.router], self.engines):
-            live = [c for c in group if c.alive()]
-            for c in live:  # all of a group at once, then wait for them together
-                c.terminate()
-            deadline = time.monotonic() + timeout
-            for c in live:
-                if c.reap(deadline):
-                    say(f"{c.name} did not stop in {timeout:.0f}s; killed it")
+            for c in stop_all(group, timeout):
+                say(f"{c.name} did not stop in {timeout:.0f}s; killed it")
 
 
 def build_parser() -> argparse.ArgumentParser:

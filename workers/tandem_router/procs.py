@@ -102,6 +102,26 @@ def scrape(url: str, name: str, **labels: str) -> float:
         return metric(resp.read().decode(), name, **labels)
 
 
+def engine_pids(server_pid: int) -> list[int]:
+    """The EngineCore processes of a `tandem serve` (its `multiprocessing` spawn children)."""
+    out = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout
+    pids = []
+    for child in map(int, out.split()):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+            pids.append(child)
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes used so far (Linux /proc)."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Child:
     """One server process with its log file. `start()` may be called again after it died (same port)."""
@@ -197,6 +217,16 @@ class Child:
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
+
+
+def stop_all(children: list[Child], timeout: float = 30.0) -> list[Child]:
+    """SIGTERM to every live child at once, then wait for them together and kill what is left after
+    `timeout` seconds; the children that had to be killed."""
+    live = [c for c in children if c.alive()]
+    for c in live:
+        c.terminate()
+    deadline = time.monotonic() + timeout
+    return [c for c in live if c.reap(deadline)]
 
 
 def tandem_child(name: str, command: str, args: list[str], log_path: Path, *, host: str = "127.0.0.1",

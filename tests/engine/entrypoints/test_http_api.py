@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +28,7 @@ from tandem_engine.frontend.interface import (
     TokenLogprob,
 )
 from tandem_engine.sampling_params import SamplingParams
+from tandem_router.procs import free_port
 
 BOS = 1
 MODEL = "toy-model"
@@ -166,12 +166,6 @@ async def client(
     transport = httpx.ASGITransport(app=build_app(engine, registry), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:

@@ -5,7 +5,6 @@ ids, reference counts, leases), and the worker side against an in-memory stand-i
 from __future__ import annotations
 
 import ctypes
-import socket
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from tandem_engine.kv_transfer.nixl_connector import NixlConnectorScheduler
 from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker
 from tandem_engine.request import Request, RequestStatus
 from tandem_engine.sampling_params import SamplingParams
+from tandem_router.procs import free_port as _free_port
 
 BS = 4
 EOS = 0
@@ -271,12 +271,6 @@ class FakeNixl:
 
     def close(self) -> None:
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _poll(worker: NixlConnectorWorker, until: Any, timeout_s: float = 10.0,

@@ -12,9 +12,18 @@ import httpx
 import pytest
 
 from tandem_engine.kv_transfer import side_channel
-from tests.engine.engine_server import Server, stop
-from tests.engine.core.test_engine_lifecycle import cpu_seconds, engine_pids
-from tests.engine.kv_transfer.pd_proxy import completion, freeze, idle, kill, pd_completion, prefill, start_pair, wait_for
+from tandem_router.procs import cpu_seconds, engine_pids
+from tests.engine.engine_server import Server
+from tests.engine.kv_transfer.pd_proxy import (
+    completion,
+    freeze,
+    idle,
+    kill,
+    pd_completion,
+    prefill,
+    start_pair,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +47,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Serve
     try:
         yield p, d
     finally:
-        stop(d.proc)
-        stop(p.proc)
+        d.stop()
+        p.stop()
 
 
 def side_address(p: Server) -> str:
