@@ -88,9 +88,10 @@ def metric(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
         if line.startswith("# TYPE "):
             declared = declared or line.split()[2] in families
-        elif line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith((name + "{", name + " ")):
             declared = True
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
     if not declared:
         raise LookupError(f"metric {name} is not exported")
     return total
