@@ -34,16 +34,15 @@ from typing import Any
 
 import httpx
 import numpy as np
+from harness import MODEL, RESULTS, text
 
 from tandem_router.bench.stats import percentile
-from tandem_router.local_stack import TANDEM, Child, free_port, healthy, split_cpus
+from tandem_router.local_stack import split_cpus
+from tandem_router.procs import Child, free_port, stop_all, tandem_child
 
-RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = "smollm2-135m-instruct"
 REQUESTS = 4
 BODY = {"model": MODEL, "prompt": "Write a long story about a lighthouse keeper and the sea.", "max_tokens": 96,
         "ignore_eos": True, "temperature": 0}
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa ".split()
 # libgomp's own default waits by spinning 300,000 iterations (GOMP_SPINCOUNT) before sleeping.
 LIBGOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -65,26 +64,13 @@ def wait_quiet(limit: float = 0.5, timeout: float = 300) -> float:
     return os.getloadavg()[0]
 
 
-def wait_healthy(children: list[Child], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    for c in children:
-        while not healthy(c.url):
-            if not c.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"{c.name} did not start:\n{c.tail(30)}")
-            time.sleep(0.3)
-
-
 def engines(n: int, variant: dict[str, Any], logs: Path) -> list[Child]:
     shares = split_cpus(n) if variant["pinned"] else [None] * n
-    out = []
-    for i in range(n):
-        port = free_port("127.0.0.1")
-        argv = [*TANDEM, "serve", "--model", MODEL, "--port", str(port), *variant["args"]]
-        out.append(Child(f"engine-{i}", f"http://127.0.0.1:{port}", argv, logs / f"engine-{port}.log",
-                         cpus=shares[i], env=variant["env"] or None))
+    ports = [free_port() for _ in range(n)]
+    out = [tandem_child(f"engine-{i}", "serve", ["--model", MODEL, *variant["args"]], logs / f"engine-{port}.log",
+                        port=port, cpus=shares[i], env=variant["env"] or None).start() for i, port in enumerate(ports)]
     for c in out:
-        c.start()
-    wait_healthy(out)
+        c.wait_healthy(600)
     return out
 
 
@@ -106,8 +92,7 @@ def timed(n: int, variant: dict[str, Any], logs: Path, reps: int) -> list[float]
         load(urls, requests=2, max_tokens=8)  # warm-up: first-request costs stay out of the timings
         return [load(urls) for _ in range(reps)]
     finally:
-        for c in children:
-            c.stop()
+        stop_all(children)
 
 
 def part_engines(logs: Path, reps: int, names: list[str]) -> dict[str, Any]:
@@ -123,10 +108,6 @@ def part_engines(logs: Path, reps: int, names: list[str]) -> dict[str, Any]:
                      "pinned": variant["pinned"]}
         print(f"[engines] {name}: alone {a:.1f}s pair {p:.1f}s ratio {p / a:.2f}x", flush=True)
     return out
-
-
-def text(n_words: int, seed: int) -> str:
-    return " ".join(np.random.default_rng(seed).choice(WORDS, n_words))
 
 
 async def stream(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> list[float]:
@@ -162,14 +143,12 @@ def part_stack(logs: Path, streams: int, long_words: int) -> dict[str, Any]:
     variants = {"before": (["--no-pin-cpus", "--engine-args", f"--num-threads {os.cpu_count()}"], LIBGOMP_DEFAULT),
                 "now": ([], {})}
     for name, (extra, env) in variants.items():
-        port = free_port("127.0.0.1")
-        up = Child("up", f"http://127.0.0.1:{port}", [*TANDEM, "up", "--port", str(port), "--log-dir",
-                                                       str(logs / f"up-{name}"), *extra], logs / f"up-{name}.log",
-                   env=env or None)
+        up = tandem_child("up", "up", ["--log-dir", str(logs / f"up-{name}"), *extra], logs / f"up-{name}.log",
+                          env=env or None)
         load_before = wait_quiet()
         up.start()
         try:
-            wait_healthy([up])
+            up.wait_healthy(600)
             r = asyncio.run(stack_load(up.url, streams, long_words))
         finally:
             up.stop(60)

@@ -12,12 +12,11 @@ one contiguous memcpy and as the same per-block gather/scatter. Results go to be
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,17 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "workers")]
 
+from harness import write_results  # noqa: E402
+
 from tandem_engine.config import EngineConfig  # noqa: E402
 from tandem_engine.kv_transfer.interface import KVConnectorMetadata, LoadSpec, RemotePrefill  # noqa: E402
 from tandem_engine.kv_transfer.messages import RemotePrefillParams  # noqa: E402
 from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker  # noqa: E402
 from tandem_router.bench.stats import percentile  # noqa: E402
+from tandem_router.procs import free_port  # noqa: E402
 
 LAYERS, BS, HEADS, DIM = 30, 16, 3, 64
 POLL_S = 0.0005
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def pool(num_blocks: int, fill: bool) -> torch.Tensor:
@@ -57,12 +58,38 @@ def prefill_proc(port: int, num_blocks: int, ready: Any, done: Any) -> None:
     w.shutdown()
 
 
+def copies(blocks: int, num_blocks: int, nbytes: int) -> tuple[torch.Tensor, dict[str, Callable[[], Any]]]:
+    """The baseline: the same bytes copied in one process, as one contiguous memcpy and as the same
+    per-block gather/scatter. Also the source pool, which holds what the prefill process serves."""
+    src = pool(num_blocks, fill=True)
+    dst = pool(num_blocks, fill=False)
+    flat_src = torch.randn(nbytes // 4)
+    flat_dst = torch.zeros(nbytes // 4)
+    return src, {
+        "memcpy": lambda: flat_dst.copy_(flat_src),
+        "contiguous": lambda: dst[:, :, 1:blocks + 1].copy_(src[:, :, blocks + 1:2 * blocks + 1]),
+        "scattered": lambda: dst.index_copy_(2, torch.arange(1, 2 * blocks, 2),
+                                             src.index_select(2, torch.arange(2, 2 * blocks + 1, 2))),
+    }
+
+
+def summary(blocks: int, nbytes: int, runs: int, threads: list[int], nixl_t: dict[str, list[float]],
+            copy_t: dict[str, list[float]]) -> dict[str, Any]:
+    def gbps(ts: list[float]) -> dict[str, float]:  # p99 of the time is the slow tail: the low bandwidth
+        return {"median": nbytes / statistics.median(ts) / 1e9, "p99": nbytes / percentile(ts, 99) / 1e9}
+
+    out: dict[str, Any] = {"blocks": blocks, "bytes": nbytes, "runs": runs, "threads": threads,
+                           "nixl_gbps": {k: gbps(v) for k, v in nixl_t.items()},
+                           "memcpy_gbps": {k: gbps(v) for k, v in copy_t.items()}}
+    base = out["memcpy_gbps"]["memcpy"]["median"]
+    out["ratio_vs_memcpy"] = {k: v["median"] / base for k, v in out["nixl_gbps"].items()}
+    return out
+
+
 def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
     torch.set_num_threads(1)
     num_blocks = 2 * blocks + 8
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     ctx = mp.get_context("spawn")
     ready, done = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=prefill_proc, args=(port, num_blocks, ready, done))
@@ -100,19 +127,9 @@ def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
         assert res.finished_recving == [rid], res
         return dt
 
-    # The same bytes in one process: one contiguous memcpy, and the same per-block gather/scatter.
-    src = pool(num_blocks, fill=True)
-    dst = pool(num_blocks, fill=False)
-    flat_src = torch.randn(nbytes // 4)
-    flat_dst = torch.zeros(nbytes // 4)
-    copies = {
-        "memcpy": lambda: flat_dst.copy_(flat_src),
-        "contiguous": lambda: dst[:, :, 1:blocks + 1].copy_(src[:, :, blocks + 1:2 * blocks + 1]),
-        "scattered": lambda: dst.index_copy_(2, torch.arange(1, 2 * blocks, 2),
-                                             src.index_select(2, torch.arange(2, 2 * blocks + 1, 2))),
-    }
+    src, baselines = copies(blocks, num_blocks, nbytes)
     nixl_t: dict[str, list[float]] = {f"{name}/t{t}": [] for name in layouts for t in threads}
-    copy_t: dict[str, list[float]] = {name: [] for name in copies}
+    copy_t: dict[str, list[float]] = {name: [] for name in baselines}
     for i in range(runs + 1):  # round 0 warms up (handshakes, first touch) and is not counted
         # Interleaved, so that whatever else the machine does falls on every variant alike.
         for name, (local, remote) in layouts.items():
@@ -120,7 +137,7 @@ def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
                 dt = read(d, local, remote)
                 if i:
                     nixl_t[f"{name}/t{t}"].append(dt)
-        for name, fn in copies.items():
+        for name, fn in baselines.items():
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
@@ -131,16 +148,7 @@ def run(blocks: int, runs: int, threads: list[int]) -> dict[str, Any]:
     for d, kv in decoders.values():  # the last round's scattered read: odd local blocks <- even remote ones
         assert torch.equal(kv[:, :, 1:2 * blocks:2], src[:, :, 2:2 * blocks + 1:2]), "NIXL read wrong bytes"
         d.shutdown()
-
-    def gbps(ts: list[float]) -> dict[str, float]:  # p99 of the time is the slow tail: the low bandwidth
-        return {"median": nbytes / statistics.median(ts) / 1e9, "p99": nbytes / percentile(ts, 99) / 1e9}
-
-    out: dict[str, Any] = {"blocks": blocks, "bytes": nbytes, "runs": runs, "threads": threads,
-                           "nixl_gbps": {k: gbps(v) for k, v in nixl_t.items()},
-                           "memcpy_gbps": {k: gbps(v) for k, v in copy_t.items()}}
-    base = out["memcpy_gbps"]["memcpy"]["median"]
-    out["ratio_vs_memcpy"] = {k: v["median"] / base for k, v in out["nixl_gbps"].items()}
-    return out
+    return summary(blocks, nbytes, runs, threads, nixl_t, copy_t)
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -193,12 +201,8 @@ def main() -> None:
     ap.add_argument("--threads", default="0,2", help="--kv-transfer-threads settings to compare")
     args = ap.parse_args()
     res = run(args.blocks, args.runs, [int(t) for t in args.threads.split(",")])
-    print(json.dumps(res, indent=2))
+    write_results("kv_transfer_bandwidth", res, table(res), plot)
     print(table(res))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kv_transfer_bandwidth.json").write_text(json.dumps(res, indent=2) + "\n")
-    (RESULTS / "kv_transfer_bandwidth.md").write_text(table(res))
-    plot(res, RESULTS / "kv_transfer_bandwidth.png")
 
 
 if __name__ == "__main__":

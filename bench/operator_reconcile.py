@@ -92,6 +92,64 @@ def body(name: str) -> dict[str, Any]:
     return obj
 
 
+def use_kubeconfig(path: Path, url: str) -> None:
+    """Point kopf and the kubernetes client at `url` through a kubeconfig written to `path`."""
+    path.write_text(
+        f"apiVersion: v1\nkind: Config\ncurrent-context: k\nclusters:\n- name: k\n  cluster:\n"
+        f"    server: {url}\nusers:\n- name: k\n  user:\n    token: t\ncontexts:\n"
+        f"- name: k\n  context:\n    cluster: k\n    user: k\n"
+    )
+    os.environ["KUBECONFIG"] = str(path)
+    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    import kubernetes.config.kube_config as kube_config
+
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(path)
+
+
+async def measure_singles(api: Api, em: RealisticEmulator, singles: int) -> list[float]:
+    """One InferenceService at a time: seconds from create to all its children."""
+    single: list[float] = []
+    for i in range(singles):
+        name = f"single-{i}"
+        t0 = time.perf_counter()
+        await api.create("InferenceService", body(name))
+        await wait_until(Progress(em, [name], has_children), 30)
+        single.append(time.perf_counter() - t0)
+        await wait_until(Progress(em, [name], has_status), 30)
+    return single
+
+
+async def measure_bulk(api: Api, em: RealisticEmulator, count: int) -> dict[str, Any]:
+    """`count` InferenceServices at once: children, status, API requests, then Ready after the kubelet reports."""
+    before = dict(em.served)
+    names = [f"bulk-{i:03d}" for i in range(count)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(api.create("InferenceService", body(n)) for n in names))
+    created = time.perf_counter() - t0
+    children = await wait_until(Progress(em, names, has_children), 600, 0.05) + created
+    status = await wait_until(Progress(em, names, has_status), 600, 0.05) + children
+    await asyncio.sleep(1.0)  # let the child events of the burst settle before counting
+    served = {k: em.served[k] - before.get(k, 0) for k in em.served}
+    writes = sum(served.get(verb, 0) for verb in ("POST", "PATCH", "DELETE"))
+    t1 = time.perf_counter()
+    for n in names:
+        for role in ("prefill", "decode", "router"):
+            await api.kubelet_reports(f"{n}-{role}", ready=2 if role == "decode" else 1)
+    reported = time.perf_counter() - t1
+    ready = await wait_until(Progress(em, names, is_ready), 600, 0.05)
+    return {
+        "services": count,
+        "create_calls_s": round(created, 3),
+        "all_children_s": round(children, 3),
+        "all_status_s": round(status, 3),
+        "per_service_ms": round(1000 * status / count, 2),
+        "api_requests": served,
+        "writes_per_service": round(writes / count, 1),
+        "kubelet_reports_s": round(reported, 3),
+        "all_ready_after_reports_s": round(ready, 3),
+    }
+
+
 async def run(singles: int, count: int) -> dict[str, Any]:
     from kopf.testing import KopfRunner
 
@@ -101,50 +159,15 @@ async def run(singles: int, count: int) -> dict[str, Any]:
         prepare(em)
         api = Api(str(server.url), session)
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "kubeconfig"
-            path.write_text(
-                f"apiVersion: v1\nkind: Config\ncurrent-context: k\nclusters:\n- name: k\n  cluster:\n"
-                f"    server: {server.url}\nusers:\n- name: k\n  user:\n    token: t\ncontexts:\n"
-                f"- name: k\n  context:\n    cluster: k\n    user: k\n"
-            )
-            os.environ["KUBECONFIG"] = str(path)
-            os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-            import kubernetes.config.kube_config as kube_config
-
-            kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(path)
-
+            use_kubeconfig(Path(tmp) / "kubeconfig", str(server.url))
             runner = KopfRunner(kopf_args(["--standalone", "-A", "--quiet"]), timeout=30)
             started = time.perf_counter()
             runner.__enter__()
             try:
                 await wait_until(lambda: em.watchers(ISVC) > 0 and em.watchers("apps/v1/deployments") > 0, 60)
                 startup = time.perf_counter() - started
-
-                single: list[float] = []
-                for i in range(singles):
-                    name = f"single-{i}"
-                    t0 = time.perf_counter()
-                    await api.create("InferenceService", body(name))
-                    await wait_until(Progress(em, [name], has_children), 30)
-                    single.append(time.perf_counter() - t0)
-                    await wait_until(Progress(em, [name], has_status), 30)
-
-                before = dict(em.served)
-                names = [f"bulk-{i:03d}" for i in range(count)]
-                t0 = time.perf_counter()
-                await asyncio.gather(*(api.create("InferenceService", body(n)) for n in names))
-                created = time.perf_counter() - t0
-                children = await wait_until(Progress(em, names, has_children), 600, 0.05) + created
-                status = await wait_until(Progress(em, names, has_status), 600, 0.05) + children
-                await asyncio.sleep(1.0)  # let the child events of the burst settle before counting
-                served = {k: em.served[k] - before.get(k, 0) for k in em.served}
-
-                t1 = time.perf_counter()
-                for n in names:
-                    for role in ("prefill", "decode", "router"):
-                        await api.kubelet_reports(f"{n}-{role}", ready=2 if role == "decode" else 1)
-                reported = time.perf_counter() - t1
-                ready = await wait_until(Progress(em, names, is_ready), 600, 0.05)
+                single = await measure_singles(api, em, singles)
+                bulk = await measure_bulk(api, em, count)
             finally:
                 await asyncio.to_thread(runner.__exit__, None, None, None)
 
@@ -164,19 +187,7 @@ async def run(singles: int, count: int) -> dict[str, Any]:
             "max_s": round(max(single), 4),
             "min_s": round(min(single), 4),
         },
-        "bulk": {
-            "services": count,
-            "create_calls_s": round(created, 3),
-            "all_children_s": round(children, 3),
-            "all_status_s": round(status, 3),
-            "per_service_ms": round(1000 * status / count, 2),
-            "api_requests": served,
-            "writes_per_service": round(
-                (served.get("POST", 0) + served.get("PATCH", 0) + served.get("DELETE", 0)) / count, 1
-            ),
-            "kubelet_reports_s": round(reported, 3),
-            "all_ready_after_reports_s": round(ready, 3),
-        },
+        "bulk": bulk,
     }
 
 

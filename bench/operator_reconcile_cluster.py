@@ -78,6 +78,51 @@ def writes(kube: Kube) -> dict[str, float]:
             if k.split("/")[0] in OPERATOR_RESOURCES and k not in CONTROLLER_WRITES}
 
 
+def measure_singles(kube: Kube, singles: int) -> dict[str, Any]:
+    """One InferenceService at a time: seconds from create to all its children, and to Ready=True."""
+    single_children, single_ready = [], []
+    for i in range(singles):
+        name = f"single-{i}"
+        t0 = time.perf_counter()
+        kube.post(ISVC, body(name))
+        wait_until(lambda n=name: has_children(kube, n), 60)
+        single_children.append(time.perf_counter() - t0)
+        wait_until(lambda n=name: is_ready(kube, n), 120)
+        single_ready.append(time.perf_counter() - t0)
+    return {"runs": singles, "children_p50_s": round(statistics.median(single_children), 4),
+            "children_max_s": round(max(single_children), 4),
+            "ready_p50_s": round(statistics.median(single_ready), 4),
+            "ready_max_s": round(max(single_ready), 4)}
+
+
+def measure_bulk(kube: Kube, count: int) -> dict[str, Any]:
+    """`count` InferenceServices at once: all children, all Ready=True, and the operator's API writes."""
+    time.sleep(2.0)
+    before = writes(kube)
+    names = [f"bulk-{i:03d}" for i in range(count)]
+    t0 = time.perf_counter()
+    for n in names:
+        kube.post(ISVC, body(n))
+    created = time.perf_counter() - t0
+    pending = list(names)
+
+    def all_done(done: Callable[[Kube, str], bool]) -> Callable[[], bool]:
+        def check() -> bool:
+            pending[:] = [n for n in pending if not done(kube, n)]
+            return not pending
+        return check
+
+    children = wait_until(all_done(has_children), 900, 0.2) + created
+    pending[:] = names
+    ready = wait_until(all_done(is_ready), 1800, 0.5) + children
+    time.sleep(5.0)  # let the bursts' follow-up events settle before counting
+    after = writes(kube)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if after.get(k, 0.0) != before.get(k, 0.0)}
+    return {"services": count, "create_calls_s": round(created, 3), "all_children_s": round(children, 3),
+            "all_ready_s": round(ready, 3), "writes_by_resource": delta,
+            "writes_per_service": round(sum(delta.values()) / count, 1)}
+
+
 def run(singles: int, count: int, work: Path) -> dict[str, Any]:
     from kopf.testing import KopfRunner
 
@@ -104,42 +149,11 @@ def run(singles: int, count: int, work: Path) -> dict[str, Any]:
         started = time.perf_counter()
         runner.__enter__()
         try:
-            first = body("warm-up")
-            kube.post(ISVC, first)
+            kube.post(ISVC, body("warm-up"))
             wait_until(lambda: is_ready(kube, "warm-up"), 300)
             startup = time.perf_counter() - started
-            single_children, single_ready = [], []
-            for i in range(singles):
-                name = f"single-{i}"
-                t0 = time.perf_counter()
-                kube.post(ISVC, body(name))
-                wait_until(lambda n=name: has_children(kube, n), 60)
-                single_children.append(time.perf_counter() - t0)
-                wait_until(lambda n=name: is_ready(kube, n), 120)
-                single_ready.append(time.perf_counter() - t0)
-            time.sleep(2.0)
-            before = writes(kube)
-            names = [f"bulk-{i:03d}" for i in range(count)]
-            t0 = time.perf_counter()
-            for n in names:
-                kube.post(ISVC, body(n))
-            created = time.perf_counter() - t0
-            pending = list(names)
-
-            def all_children() -> bool:
-                pending[:] = [n for n in pending if not has_children(kube, n)]
-                return not pending
-
-            children = wait_until(all_children, 900, 0.2) + created
-            pending[:] = names
-
-            def all_ready() -> bool:
-                pending[:] = [n for n in pending if not is_ready(kube, n)]
-                return not pending
-
-            ready = wait_until(all_ready, 1800, 0.5) + children
-            time.sleep(5.0)  # let the bursts' follow-up events settle before counting
-            after = writes(kube)
+            single = measure_singles(kube, singles)
+            bulk = measure_bulk(kube, count)
         finally:
             runner.__exit__(None, None, None)
         api.close()
@@ -147,20 +161,14 @@ def run(singles: int, count: int, work: Path) -> dict[str, Any]:
         if kwok is not None:
             kwok.stop()
         cp.stop()
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if after.get(k, 0.0) != before.get(k, 0.0)}
     return {
         "setup": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
                   "load_before": LOAD_BEFORE, "apiserver": "kube-apiserver v1.37.2 + etcd v3.7.3 (tests/k8s), "
                   "controller-manager and scheduler; kwok v0.8.0 fake node",
                   "children_per_service": len(KIDS), "example": "crds/examples/disaggregated.yaml"},
         "operator_startup_to_first_ready_s": round(startup, 3),
-        "single": {"runs": singles, "children_p50_s": round(statistics.median(single_children), 4),
-                   "children_max_s": round(max(single_children), 4),
-                   "ready_p50_s": round(statistics.median(single_ready), 4),
-                   "ready_max_s": round(max(single_ready), 4)},
-        "bulk": {"services": count, "create_calls_s": round(created, 3), "all_children_s": round(children, 3),
-                 "all_ready_s": round(ready, 3), "writes_by_resource": delta,
-                 "writes_per_service": round(sum(delta.values()) / count, 1)},
+        "single": single,
+        "bulk": bulk,
     }
 
 

@@ -11,12 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,54 +19,10 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
+from harness import MODEL, text, write_results
 
 from tandem_engine.kv_transfer.messages import RemoteDecodeParams
-
-TANDEM = Path(sys.executable).parent / "tandem"
-RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = "smollm2-135m-instruct"
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa ".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(args: list[str], log: Path) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    return f"http://127.0.0.1:{port}", proc
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def text(n_words: int, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    return " ".join(rng.choice(WORDS, n_words))
+from tandem_router.procs import Child, free_port, stop_all, tandem_child
 
 
 class Target:
@@ -154,6 +104,11 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def engine(name: str, args: list[str], logs: Path) -> Child:
+    """A `tandem serve` on the embedded model, started (not waited for)."""
+    return tandem_child(name, "serve", ["--model", MODEL, *args], logs / f"{name}.log").start()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--long-len", type=int, default=1500, help="words in each arriving long prompt")
@@ -161,32 +116,27 @@ def main() -> None:
     ap.add_argument("--arrivals", type=int, default=4)
     ap.add_argument("--ttft-runs", type=int, default=5)
     args = ap.parse_args()
-    RESULTS.mkdir(exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="pd_latency_"))
     print("engine logs in", logs)
     res: dict[str, Any] = {"args": vars(args)}
-    url, proc = start(["--num-threads", "2"], logs / "colocated.log")
+    c = engine("colocated", ["--num-threads", "2"], logs)
     try:
-        wait_ready(url, proc)
-        res["colocated"] = asyncio.run(measure(Target(url, None), args.long_len, args.streams, args.arrivals,
+        c.wait_healthy(300)
+        res["colocated"] = asyncio.run(measure(Target(c.url, None), args.long_len, args.streams, args.arrivals,
                                                args.ttft_runs))
     finally:
-        stop(proc)
-    p_url, p = start(["--role", "prefill", "--num-threads", "1", "--kv-side-channel-port", str(free_port())],
-                     logs / "prefill.log")
-    d_url, d = start(["--role", "decode", "--num-threads", "1"], logs / "decode.log")
+        c.stop()
+    p = engine("prefill", ["--role", "prefill", "--num-threads", "1", "--kv-side-channel-port", str(free_port())],
+               logs)
+    d = engine("decode", ["--role", "decode", "--num-threads", "1"], logs)
     try:
-        wait_ready(p_url, p)
-        wait_ready(d_url, d)
-        res["pd"] = asyncio.run(measure(Target(d_url, p_url), args.long_len, args.streams, args.arrivals,
+        p.wait_healthy(300)
+        d.wait_healthy(300)
+        res["pd"] = asyncio.run(measure(Target(d.url, p.url), args.long_len, args.streams, args.arrivals,
                                         args.ttft_runs))
     finally:
-        stop(d)
-        stop(p)
-    print(json.dumps(res, indent=2))
-    (RESULTS / "pd_latency.json").write_text(json.dumps(res, indent=2) + "\n")
-    (RESULTS / "pd_latency.md").write_text(table(res))
-    plot(res, RESULTS / "pd_latency.png")
+        stop_all([d, p])
+    write_results("pd_latency", res, table(res), plot)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,32 +23,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import MODEL, RESULTS
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
-MODEL = "smollm2-135m-instruct"
+from tandem_router.procs import TANDEM, Child, stop_all, tandem_child
+
 POLICIES = ("round-robin", "prefix-aware")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(url)
+# This script's workload flags: the `tandem bench` flag each one is passed on as, and its default.
+# 4 system prompts of ~27 blocks each: one engine's 64 blocks hold two of them, not four.
+WORKLOAD = {
+    "groups": ("--num-groups", 4),
+    "users": ("--users-per-group", 4),
+    "turns": ("--turns", 2),
+    "prefix_len": ("--prefix-len", 400),
+    "turn_len": ("--turn-len", 16),
+    "output_len": ("--output-len", 8),
+    "concurrency": ("--concurrency", 2),
+    "seed": ("--seed", 1),
+}
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
@@ -84,112 +74,78 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    # 4 system prompts of ~27 blocks each: one engine's 64 blocks hold two of them, not four.
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--users", type=int, default=4)
-    p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--prefix-len", type=int, default=400)
-    p.add_argument("--turn-len", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=2)
+    for name, (_, default) in WORKLOAD.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--kv-blocks", type=int, default=64, help="KV blocks (of 16 tokens) per engine")
     p.add_argument("--max-model-len", type=int, default=640)
-    p.add_argument("--seed", type=int, default=1)
-    a = p.parse_args()
-    load_before = os.getloadavg()[0]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
-    print(f"process logs in {logs}", flush=True)
-    procs: list[subprocess.Popen[bytes]] = []
+    return p.parse_args()
 
-    def spawn(argv: list[str], name: str) -> subprocess.Popen[bytes]:
-        with open(logs / f"{name}.log", "wb") as out:
-            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
 
-    engine_args = [
-        "--num-threads",
-        "1",
-        "--max-model-len",
-        str(a.max_model_len),
-        "--num-kv-blocks",
-        str(a.kv_blocks),
-    ]
+def engine_args(a: argparse.Namespace) -> list[str]:
+    return ["--num-threads", "1", "--max-model-len", str(a.max_model_len), "--num-kv-blocks", str(a.kv_blocks)]
+
+
+def start_stack(a: argparse.Namespace, logs: Path,
+                children: list[Child]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Per policy, two engines behind one router (appended to `children` as they start); the engine URLs
+    and the router URL of each policy. One engine pair per policy, run at the same time on the same
+    prompts (same seed): machine noise hits both alike and neither finds the other's prompts in its cache."""
+    engines: dict[str, list[str]] = {}
+    for policy in POLICIES:
+        pair = [tandem_child(f"{policy}-engine-{i}", "serve", ["--model", MODEL, *engine_args(a)],
+                             logs / f"{policy}-engine-{i}.log").start() for i in range(2)]
+        children += pair
+        engines[policy] = [c.url for c in pair]
+    for c in children:
+        c.wait_healthy(600)
+    routers: dict[str, str] = {}
+    for policy in POLICIES:
+        args = ["--decode", ",".join(engines[policy]), "--policy", policy]
+        router = tandem_child(f"router-{policy}", "route", args, logs / f"router-{policy}.log").start()
+        children.append(router)
+        router.wait_healthy(60)
+        routers[policy] = router.url
+    return engines, routers
+
+
+def run_benches(a: argparse.Namespace, logs: Path, engines: dict[str, list[str]],
+                routers: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """`tandem bench --workload shared-prefix` against both routers at once; each policy's results."""
+    benches = []
+    for policy in POLICIES:
+        out = RESULTS / f"prefix_routing_{policy}.json"
+        argv = ["bench", "--url", routers[policy], "--workload", "shared-prefix"]
+        argv += [x for name, (flag, _) in WORKLOAD.items() for x in (flag, str(getattr(a, name)))]
+        argv += ["--engine-metrics", ",".join(engines[policy]), "--label", policy, "--json", str(out)]
+        print(f"== {policy}: {routers[policy]} over {', '.join(engines[policy])}", flush=True)
+        with open(logs / f"bench-{policy}.log", "wb") as log:
+            benches.append((policy, out, subprocess.Popen([*TANDEM, *argv], stdout=log)))
     runs: dict[str, dict[str, Any]] = {}
-    try:
-        # One engine pair per policy, run at the same time on the same prompts (same seed): machine
-        # noise hits both alike and neither finds the other's prompts in its cache.
-        engines: dict[str, list[str]] = {}
-        eprocs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        for policy in POLICIES:
-            ports = [free_port(), free_port()]
-            engines[policy] = [f"http://127.0.0.1:{port}" for port in ports]
-            for i, port in enumerate(ports):
-                argv = [*TANDEM, "serve", "--model", MODEL, "--port", str(port), *engine_args]
-                eprocs.append((f"http://127.0.0.1:{port}", spawn(argv, f"{policy}-engine-{i}")))
-        for url, proc in eprocs:
-            wait_ready(url, proc)
-        benches = []
-        routers = {}
-        for policy in POLICIES:
-            rport = free_port()
-            routers[policy] = f"http://127.0.0.1:{rport}"
-            argv = [*TANDEM, "route", "--port", str(rport), "--decode", ",".join(engines[policy])]
-            rp = spawn([*argv, "--policy", policy], f"router-{policy}")
-            wait_ready(routers[policy], rp, timeout=60)
-        for policy in POLICIES:
-            out = RESULTS / f"prefix_routing_{policy}.json"
-            argv = [
-                "bench",
-                "--url",
-                routers[policy],
-                "--workload",
-                "shared-prefix",
-                "--num-groups",
-                str(a.groups),
-            ]
-            argv += [
-                "--users-per-group",
-                str(a.users),
-                "--turns",
-                str(a.turns),
-                "--prefix-len",
-                str(a.prefix_len),
-            ]
-            argv += ["--turn-len", str(a.turn_len), "--output-len", str(a.output_len), "--seed", str(a.seed)]
-            argv += ["--concurrency", str(a.concurrency), "--engine-metrics", ",".join(engines[policy])]
-            argv += ["--label", policy, "--json", str(out)]
-            print(f"== {policy}: {routers[policy]} over {', '.join(engines[policy])}", flush=True)
-            with open(logs / f"bench-{policy}.log", "wb") as log:
-                benches.append((policy, out, subprocess.Popen([*TANDEM, *argv], cwd=ROOT, stdout=log)))
-        for policy, out, proc in benches:
-            if proc.wait() not in (0, 1):
-                raise RuntimeError(f"tandem bench for {policy} failed; see {logs}")
-            print((logs / f"bench-{policy}.log").read_text(), flush=True)
-            runs[policy] = json.loads(out.read_text())
-            runs[policy]["router_metrics"] = [
-                ln
-                for ln in httpx.get(routers[policy] + "/metrics").text.splitlines()
-                if ln.startswith("tandem:router_routing_decisions_total") and not ln.endswith(" 0.0")
-            ]
-            out.write_text(json.dumps(runs[policy], indent=1))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            proc.wait(30)
-    plot(runs, RESULTS / "prefix_routing.png")
+    for policy, out, proc in benches:
+        if proc.wait() not in (0, 1):
+            raise RuntimeError(f"tandem bench for {policy} failed; see {logs}")
+        print((logs / f"bench-{policy}.log").read_text(), flush=True)
+        runs[policy] = json.loads(out.read_text())
+        runs[policy]["router_metrics"] = [
+            ln
+            for ln in httpx.get(routers[policy] + "/metrics").text.splitlines()
+            if ln.startswith("tandem:router_routing_decisions_total") and not ln.endswith(" 0.0")
+        ]
+        out.write_text(json.dumps(runs[policy], indent=1))
+    return runs
+
+
+def report(a: argparse.Namespace, runs: dict[str, dict[str, Any]], load_before: float) -> list[str]:
+    """Write prefix_routing.json; the lines of prefix_routing.md."""
     cmd = "python bench/prefix_routing.py " + " ".join(sys.argv[1:])
     summary = {n: runs[n]["summary"] for n in POLICIES}
     meta = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": cmd,
         "config": vars(a),
-        "engine_args": engine_args,
+        "engine_args": engine_args(a),
         "load_average": [load_before, os.getloadavg()[0]],
         "summary": summary,
     }
@@ -199,7 +155,7 @@ def main() -> int:
         "# prefix-aware vs round-robin routing",
         "",
         f"`{cmd}` at {meta['time']}: per policy, two colocated `tandem serve` engines "
-        f"({' '.join(engine_args)}) on the embedded SmolLM2-135M behind one `tandem route`; both policies "
+        f"({' '.join(engine_args(a))}) on the embedded SmolLM2-135M behind one `tandem route`; both policies "
         "at once on the same prompts, `tandem bench --workload shared-prefix` "
         f"({a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
         f"{a.turns} turns, "
@@ -227,6 +183,23 @@ def main() -> int:
         "![hit rate and TTFT](prefix_routing.png)",
         "",
     ]
+    return lines
+
+
+def main() -> int:
+    a = parse_args()
+    load_before = os.getloadavg()[0]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
+    print(f"process logs in {logs}", flush=True)
+    children: list[Child] = []
+    try:
+        engines, routers = start_stack(a, logs, children)
+        runs = run_benches(a, logs, engines, routers)
+    finally:
+        stop_all(children)
+    plot(runs, RESULTS / "prefix_routing.png")
+    lines = report(a, runs, load_before)
     (RESULTS / "prefix_routing.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

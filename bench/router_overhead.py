@@ -15,9 +15,7 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,11 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import MODEL, RESULTS
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
-MODEL = "smollm2-135m-instruct"
+from tandem_router.procs import Child, free_port, metric, stop_all, tandem_child
 
 
 def serve_stub(port: int) -> None:
@@ -54,26 +50,6 @@ def serve_stub(port: int) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(url)
 
 
 def measure(direct: str, routed: str, n: int, seed: int) -> dict[str, Any]:
@@ -111,13 +87,8 @@ def measure(direct: str, routed: str, n: int, seed: int) -> dict[str, Any]:
 
 def router_overhead_histogram(router: str) -> dict[str, float]:
     text = httpx.get(router + "/metrics").text
-    vals = {}
-    for line in text.splitlines():
-        if line.startswith("tandem:router_overhead_seconds_sum"):
-            vals["sum"] = float(line.split()[-1])
-        elif line.startswith("tandem:router_overhead_seconds_count"):
-            vals["count"] = float(line.split()[-1])
-    return {"mean_pre_dispatch_ms": 1000 * vals["sum"] / vals["count"]} if vals.get("count") else {}
+    count = metric(text, "tandem:router_overhead_seconds_count")
+    return {"mean_pre_dispatch_ms": 1000 * metric(text, "tandem:router_overhead_seconds_sum") / count} if count else {}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -181,6 +152,38 @@ def write_markdown(meta: dict[str, Any]) -> None:
     (RESULTS / "router_overhead.md").write_text("\n".join(lines))
 
 
+def backends(a: argparse.Namespace, logs: Path, children: list[Child]) -> dict[str, Child]:
+    """The stub upstream and (unless --no-engine) a `tandem serve`, started and appended to `children`."""
+    port = free_port()
+    argv = [sys.executable, __file__, "--serve-stub", str(port)]
+    out = {"stub": Child("stub", f"http://127.0.0.1:{port}", argv, logs / "stub.log")}
+    if not a.no_engine:
+        out["engine"] = tandem_child("engine", "serve", ["--model", MODEL, "--num-threads", "1"], logs / "engine.log")
+    for c in out.values():
+        children.append(c.start())
+    return out
+
+
+def measure_backend(name: str, upstream: Child, a: argparse.Namespace, logs: Path,
+                    children: list[Child]) -> dict[str, Any]:
+    """Direct against routed latencies of one backend, through a router of its own."""
+    upstream.wait_healthy(600)
+    args = ["--decode", upstream.url, "--log-level", "WARNING"]
+    router = tandem_child(f"router-{name}", "route", args, logs / f"router-{name}.log")
+    children.append(router.start())
+    router.wait_healthy(60)
+    print(f"measuring {name}: {a.requests} requests each way ...", flush=True)
+    r = measure(upstream.url, router.url, a.requests, a.seed)
+    r.update(router_overhead_histogram(router.url))
+    print(
+        f"  direct p50 {r['direct']['p50_ms']:.2f} ms, router p50 {r['router']['p50_ms']:.2f} ms, "
+        f"overhead p50 {r['p50_overhead_ms']:+.2f} ms (paired median "
+        f"{r['paired_median_overhead_ms']:+.2f} ms)",
+        flush=True,
+    )
+    return r
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=300)
@@ -193,51 +196,15 @@ def main() -> int:
         serve_stub(a.serve_stub)
         return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
     logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     print(f"process logs in {logs}", flush=True)
-
-    def spawn(argv: list[str], name: str) -> subprocess.Popen[bytes]:
-        with open(logs / f"{name}.log", "wb") as out:
-            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
-
+    children: list[Child] = []
     results: dict[str, Any] = {}
     try:
-        backends = {"stub": free_port()}
-        spawn([sys.executable, __file__, "--serve-stub", str(backends["stub"])], "stub")
-        if not a.no_engine:
-            backends["engine"] = free_port()
-            spawn(
-                [*TANDEM, "serve", "--model", MODEL, "--port", str(backends["engine"]), "--num-threads", "1"],
-                "engine",
-            )
-        for name, port in backends.items():
-            upstream = f"http://127.0.0.1:{port}"
-            wait_ready(upstream, procs[list(backends).index(name)])
-            rport = free_port()
-            router = f"http://127.0.0.1:{rport}"
-            rp = spawn(
-                [*TANDEM, "route", "--port", str(rport), "--decode", upstream, "--log-level", "WARNING"],
-                f"router-{name}",
-            )
-            wait_ready(router, rp, timeout=60)
-            print(f"measuring {name}: {a.requests} requests each way ...", flush=True)
-            results[name] = measure(upstream, router, a.requests, a.seed)
-            results[name].update(router_overhead_histogram(router))
-            r = results[name]
-            print(
-                f"  direct p50 {r['direct']['p50_ms']:.2f} ms, router p50 {r['router']['p50_ms']:.2f} ms, "
-                f"overhead p50 {r['p50_overhead_ms']:+.2f} ms (paired median "
-                f"{r['paired_median_overhead_ms']:+.2f} ms)",
-                flush=True,
-            )
+        for name, upstream in backends(a, logs, children).items():
+            results[name] = measure_backend(name, upstream, a, logs, children)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(15)
+        stop_all(children, 15)
     plot(results, RESULTS / "router_overhead.png")
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "latencies_s"} for k, v in results.items()}
     for name, r in results.items():

@@ -14,37 +14,15 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
+from harness import MODEL, RESULTS
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-TANDEM = Path(sys.executable).parent / "tandem"
-MODEL = "smollm2-135m-instruct"
-
-
-def start_server(port: int, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *extra],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}: see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                print(f"server ready in {time.monotonic() - t0:.1f}s", flush=True)
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+from tandem_router.procs import tandem_child
 
 
 def run_bench(url: str, a: argparse.Namespace, label: str) -> dict[str, Any]:
@@ -107,22 +85,21 @@ def main() -> None:
     a = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
 
-    sys.path.insert(0, str(ROOT / "bench"))
     from roofline import measure as roofline
 
     ceiling = roofline(a.concurrency, a.input_len, a.output_len)  # before anything else runs
     print(json.dumps(ceiling, indent=1), flush=True)
     extra = ["--dtype", a.dtype, "--max-num-seqs", str(max(a.concurrency, 32)), *a.server_args.split()]
-    t0 = time.monotonic()
-    proc = start_server(a.port, extra, Path("/tmp") / f"tandem-bench-{a.port}.log")
-    startup_s = time.monotonic() - t0
-    url = f"http://127.0.0.1:{a.port}"
+    server = tandem_child("serve", "serve", ["--model", MODEL, *extra], Path("/tmp") / f"tandem-bench-{a.port}.log",
+                          port=a.port).start()
     try:
+        startup_s = server.wait_healthy(3600)
+        print(f"server ready in {startup_s:.1f}s", flush=True)
+        url = server.url
         httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=120)
         serving = run_bench(url, a, "tandem")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        server.stop(60)
     print(json.dumps(serving, indent=1), flush=True)
 
     hf: list[dict[str, Any]] = []

@@ -1,77 +1,27 @@
-"""Start a real `tandem serve` process for a test module and stop it cleanly afterwards."""
+"""`tandem serve` on the embedded model for the engine tests, started and stopped by tandem_router.procs."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import pytest
+from tandem_router.procs import Child as Server
+from tandem_router.procs import free_port, tandem_child
 
-from tandem_router.local_stack import child_preexec
-
-TANDEM = Path(sys.executable).parent / "tandem"
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metric(self, name: str) -> float:
-        """Sum of a metric's samples (all label sets) from /metrics."""
-        total, found = 0.0, False
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        return total if found else 0.0
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"tandem serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"tandem serve not healthy after {timeout_s}s:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.5)
+__all__ = ["MODEL", "Server", "launch", "run_server"]
 
 
 @contextmanager
 def run_server(args: list[str], log_dir: Path, timeout_s: float = 180.0,
                cpus: list[int] | None = None) -> Iterator[Server]:
     server = launch(log_dir, args, cpus=cpus)
-    proc, log_path = server.proc, server.log_path
     try:
-        wait_healthy(server.url, proc, log_path, timeout_s)
+        server.wait_healthy(timeout_s)
         yield server
     finally:
-        stop(proc)
+        server.stop()
 
 
 def launch(log_dir: Path, args: list[str], port: int | None = None, cpus: list[int] | None = None) -> Server:
@@ -84,19 +34,6 @@ def launch(log_dir: Path, args: list[str], port: int | None = None, cpus: list[i
     if "--dtype" not in args:
         args = ["--dtype", "float32", *args]
     log_path = log_dir / f"serve-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=child_preexec(cpus, die_with_parent=False))
-    return Server(f"http://127.0.0.1:{port}", proc, log_path)
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    return proc.returncode
+    log_path.unlink(missing_ok=True)  # a restart on the same port: the test reads only the new process's log
+    return tandem_child(f"serve-{port}", "serve", ["--model", MODEL, *args], log_path, port=port, cpus=cpus,
+                        die_with_parent=False).start()

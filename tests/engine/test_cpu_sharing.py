@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tandem_router.local_stack import split_cpus
-from tests.engine.engine_server import Server, launch, stop, wait_healthy
+from tests.engine.engine_server import Server, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,9 +43,9 @@ def load(urls: list[str]) -> float:
 def started(stack: ExitStack, log_dir: Path, cpus: list[list[int]] | None) -> list[Server]:
     servers = [launch(log_dir, [], cpus=cpus[i] if cpus else None) for i in range(2)]
     for s in servers:
-        stack.callback(stop, s.proc)
+        stack.callback(s.stop)
     for s in servers:
-        wait_healthy(s.url, s.proc, s.log_path, 300)
+        s.wait_healthy(300)
     return servers
 
 
@@ -54,8 +54,8 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[float]:
     """One engine with default flags, alone on the machine, doing half the pair's work."""
     with ExitStack() as stack:
         s = launch(tmp_path_factory.mktemp("alone"), [])
-        stack.callback(stop, s.proc)
-        wait_healthy(s.url, s.proc, s.log_path, 300)
+        stack.callback(s.stop)
+        s.wait_healthy(300)
         load([s.url])  # warm-up: first-request costs stay out of the ratio
         yield load([s.url])
 

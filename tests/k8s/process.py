@@ -6,10 +6,11 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from tandem_router.procs import free_port as free_port  # the test cluster's ports (process.free_port())
 
 logger = logging.getLogger(__name__)
 
@@ -22,13 +23,6 @@ def _die_with_parent() -> None:
     # its ports nor a pod its netns. The signal follows the spawning *thread*: callers spawn from a thread
     # that outlives the child (the main thread, or the pod's own worker thread).
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def spawn(

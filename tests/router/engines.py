@@ -1,88 +1,35 @@
-"""Real `tandem serve` and `tandem route` processes for the router's end-to-end tests."""
+"""`tandem up` as a real process for the router's end-to-end tests, with its output read as it comes."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 from tests.router.utils import REPO
 
-from tandem_router.local_stack import child_preexec
+from tandem_router.procs import TANDEM
 
 MODEL = "smollm2-135m-instruct"
-TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
-# Thread counts come from each engine's CPU share: `tandem up` and `start_engine(cpus=...)` pin engines.
+# Thread counts come from each engine's CPU share (`tandem up` pins engines).
 # float32: the tests compare greedy answers across engines, paths and prefix-cache hits, which only
 # float32 keeps token-exact (bfloat16 rounding depends on the matmul's shape; see docs/operations.md).
 ENGINE_ARGS = ["--max-model-len", "2048", "--dtype", "float32"]
 
 
-def start(argv: list[str], log: Path, cpus: list[int] | None = None) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([*TANDEM, *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=child_preexec(cpus, die_with_parent=False))
-
-
-def start_engine(
-    port: int, log: Path, role: str | None = None, extra: list[str] | None = None, cpus: list[int] | None = None
-) -> subprocess.Popen[bytes]:
-    argv = ["serve", "--model", MODEL, "--port", str(port), *ENGINE_ARGS, *(extra or [])]
-    if role:
-        argv += ["--role", role]
-    return start(argv, log, cpus)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 class UpProcess:
     """`tandem up` with its output collected on a thread (so that its pipe never fills)."""
 
-    def __init__(self, args: list[str], log_dir: Path) -> None:
+    def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [*TANDEM, "up", "--log-dir", str(log_dir), *args],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=env,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

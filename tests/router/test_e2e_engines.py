@@ -10,7 +10,6 @@ import asyncio
 import collections
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from tests.router.engines import ENGINE_ARGS, MODEL, UpProcess, metric, start, stop, wait_ready
-from tests.router.utils import free_port
+from tests.router.engines import ENGINE_ARGS, MODEL, UpProcess
+
+from tandem_router.procs import Child, free_port, metric, tandem_child
 
 pytestmark = pytest.mark.slow
 UPSTREAM = "tandem:router_upstream_requests_total"
@@ -61,20 +61,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ],
         d,
     )
-    pd: subprocess.Popen[bytes] | None = None
+    pd: Child | None = None
     try:
         up.wait_for("] ready in", timeout=400)
         engines = [up.url_of(f"engine-{i}") for i in range(2)]
         pids = [up.pid_of(f"engine-{i}") for i in range(2)]
-        pp = free_port()
-        argv = ["route", "--port", str(pp), "--prefill", engines[0], "--decode", engines[1]]
-        pd = start([*argv, "--remote-prefill-threshold", "0"], d / "pd-router.log")
-        pd_router = f"http://127.0.0.1:{pp}"
-        wait_ready(pd_router, pd, d / "pd-router.log", timeout=30)
-        yield Stack(engines, pids, up, f"http://127.0.0.1:{port}", pd_router)
+        argv = ["--prefill", engines[0], "--decode", engines[1]]
+        pd = tandem_child("pd-router", "route", [*argv, "--remote-prefill-threshold", "0"], d / "pd-router.log",
+                          die_with_parent=False).start()
+        pd.wait_healthy(timeout=30)
+        yield Stack(engines, pids, up, f"http://127.0.0.1:{port}", pd.url)
     finally:
         if pd is not None:
-            stop(pd)
+            pd.stop()
         up.interrupt()
     assert up.proc.returncode == 0, up.text()
     assert "[up] stopped" in up.text()

@@ -7,7 +7,8 @@ from pathlib import Path
 import openai
 import pytest
 from tests.router.engines import ENGINE_ARGS, MODEL, UpProcess
-from tests.router.utils import free_port
+
+from tandem_router.procs import free_port
 
 pytestmark = pytest.mark.slow
 

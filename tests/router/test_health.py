@@ -7,7 +7,9 @@ import collections
 
 import aiohttp
 import openai
-from tests.router.utils import eventually, free_port, start_upstream_process, wait_healthy
+from tests.router.utils import eventually, start_upstream_process
+
+from tandem_router.procs import free_port
 
 
 async def test_static_endpoints_are_admitted_by_the_first_check(upstream, router) -> None:
@@ -36,14 +38,14 @@ async def test_failed_checks_eject_and_a_passing_check_readmits(upstream, router
     assert f'tandem:router_endpoint_healthy{{endpoint="{a.url}",role="decode"}} 1.0' in text
 
 
-async def test_kill_an_upstream_process_under_load(router) -> None:
+async def test_kill_an_upstream_process_under_load(router, tmp_path) -> None:
     """Streams from the killed process end with a clean error, new requests go to the survivor, and the
     process is re-admitted when it comes back on the same port."""
     ports = [free_port(), free_port()]
-    procs = [start_upstream_process(p, f"u{i}", tokens=60, token_delay=0.03) for i, p in enumerate(ports)]
+    procs = [start_upstream_process(p, f"u{i}", tmp_path, tokens=60, token_delay=0.03) for i, p in enumerate(ports)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        await asyncio.gather(*(wait_healthy(u, proc=pr) for u, pr in zip(urls, procs, strict=True)))
+        await asyncio.gather(*(asyncio.to_thread(p.wait_healthy, 30) for p in procs))
         r = await router(decode_urls=urls, decode_policy="round-robin", health_interval=0.1)
         await eventually(lambda: len(r.router.decode.healthy()) == 2)
         client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
@@ -66,7 +68,6 @@ async def test_kill_an_upstream_process_under_load(router) -> None:
         await started.wait()
         await asyncio.sleep(0.2)
         procs[0].kill()
-        procs[0].wait()
         await asyncio.gather(*load)
         # Exactly the streams on the killed process failed, and cleanly.
         assert outcome == {"error-u0": 3, "ok-u1": 3}, outcome
@@ -76,7 +77,7 @@ async def test_kill_an_upstream_process_under_load(router) -> None:
         ]
         assert all(t.startswith(" u1-0") for t in after)
         assert not r.router.decode.endpoints[urls[0]].healthy
-        procs[0] = start_upstream_process(ports[0], "u0", tokens=60, token_delay=0.03)
+        procs[0] = start_upstream_process(ports[0], "u0", tmp_path, tokens=60, token_delay=0.03)
         await eventually(lambda: r.router.decode.endpoints[urls[0]].healthy, timeout=15)
         back = [
             (await client.completions.create(model="m", prompt="x", max_tokens=1)).choices[0].text for _ in range(4)
@@ -86,4 +87,3 @@ async def test_kill_an_upstream_process_under_load(router) -> None:
     finally:
         for p in procs:
             p.kill()
-            p.wait()

@@ -10,38 +10,14 @@ import time
 from pathlib import Path
 
 import httpx
-from tests.router.utils import REPO, free_port
+from tests.router.engines import UpProcess
+from tests.router.utils import REPO
 
+from tandem_router.procs import TANDEM, free_port
+
+# The stand-in engine takes `tandem serve`'s flags, --role and --kv-side-channel-port included.
 UPSTREAM = f"{sys.executable} -m tests.router.upstream"
-TANDEM = [sys.executable, "-c", "import sys; from tandem_cli import main; sys.exit(main())"]
-
-
-def run_up(args: list[str], log_dir: Path) -> tuple[subprocess.Popen[str], list[str]]:
-    proc = subprocess.Popen(
-        [*TANDEM, "up", "--log-dir", str(log_dir), "--engine-command", UPSTREAM, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={"PYTHONPATH": f"{REPO}/workers:{REPO}", "PATH": "/usr/bin:/bin"},
-    )
-    lines: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if "] ready in" in line:
-            return proc, lines
-    proc.kill()
-    raise AssertionError("tandem up never got ready:\n" + "\n".join(lines))
-
-
-def lines_url(lines: list[str], name: str) -> str:
-    line = next(ln for ln in lines if f"starting {name} on " in ln)
-    return line.split(" on ")[1].split(" ")[0]
+ENV = {"PYTHONPATH": f"{REPO}/workers:{REPO}", "PATH": "/usr/bin:/bin"}
 
 
 def child_pids(pid: int) -> list[int]:
@@ -51,37 +27,36 @@ def child_pids(pid: int) -> list[int]:
 
 def test_up_runs_pd_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     port = free_port()
-    proc, lines = run_up(["--port", str(port), "--prefill", "1", "--decode", "1"], tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    assert any("ready in" in ln and url in ln for ln in lines)
-    assert any("prefill-0 ready" in ln for ln in lines) and any("decode-0 ready" in ln for ln in lines)
-    children = child_pids(proc.pid)
-    assert len(children) == 3
-    body = {"model": "m", "prompt": "a long enough prompt for remote prefill " * 20, "max_tokens": 2}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
-    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == " decode-0 decode-1"
-    metrics = httpx.get(url + "/metrics").text
-    assert 'tandem:router_pd_decisions_total{decision="remote"} 1.0' in metrics
-    # A child that dies is restarted on its port, and the router re-admits it.
-    decode_pid = next(int(ln.split("pid ")[1].split(",")[0]) for ln in lines if "starting decode-0" in ln)
-    os.kill(decode_pid, signal.SIGKILL)
-    assert proc.stdout is not None
-    seen = []
-    while not any("decode-0 ready again" in ln for ln in seen):
-        seen.append(proc.stdout.readline())
-    assert any("restarting decode-0 (1/5)" in ln for ln in seen)
-    deadline = time.monotonic() + 10
-    while httpx.get(url + "/health").json()["decode"] != {lines_url(lines, "decode-0"): True}:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
-    assert resp.status_code == 200
-    children = child_pids(proc.pid)
-    assert len(children) == 3
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
-    assert "[up] stopped" in out
+    up = UpProcess(["--engine-command", UPSTREAM, "--port", str(port), "--prefill", "1", "--decode", "1"], tmp_path,
+                   env=ENV)
+    try:
+        up.wait_for("] ready in", timeout=60)
+        url = f"http://127.0.0.1:{port}"
+        assert any("ready in" in ln and url in ln for ln in up.lines)
+        assert any("prefill-0 ready" in ln for ln in up.lines) and any("decode-0 ready" in ln for ln in up.lines)
+        children = child_pids(up.proc.pid)
+        assert len(children) == 3
+        body = {"model": "m", "prompt": "a long enough prompt for remote prefill " * 20, "max_tokens": 2}
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == " decode-0 decode-1"
+        metrics = httpx.get(url + "/metrics").text
+        assert 'tandem:router_pd_decisions_total{decision="remote"} 1.0' in metrics
+        # A child that dies is restarted on its port, and the router re-admits it.
+        os.kill(up.pid_of("decode-0"), signal.SIGKILL)
+        up.wait_for("decode-0 ready again", timeout=60)
+        assert any("restarting decode-0 (1/5)" in ln for ln in up.lines)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").json()["decode"] != {up.url_of("decode-0"): True}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200
+        children = child_pids(up.proc.pid)
+        assert len(children) == 3
+    finally:
+        up.interrupt()
+    assert up.proc.returncode == 0, up.text()
+    assert "[up] stopped" in up.text()
     time.sleep(0.2)
     assert all(
         not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
@@ -100,6 +75,8 @@ def test_up_reports_an_engine_that_dies_during_startup(tmp_path: Path) -> None:
             str(tmp_path),
             "--port",
             str(port),
+            "--prefill",
+            "0",
             "--engine-command",
             f"{sys.executable} -c 'import sys; print(\"boom: no model\"); sys.exit(3)'",
         ],
@@ -107,8 +84,8 @@ def test_up_reports_an_engine_that_dies_during_startup(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PYTHONPATH": f"{REPO}/workers:{REPO}", "PATH": "/usr/bin:/bin"},
+        env=ENV,
     )
     assert proc.returncode == 1
-    assert "no prefill/decode roles yet" in proc.stdout
+    assert "0 prefill + 1 colocated engine(s)" in proc.stdout
     assert "engine-0 exited with code 3" in proc.stdout and "boom: no model" in proc.stdout

@@ -4,6 +4,7 @@ decode engines."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import openai
@@ -65,24 +66,27 @@ async def test_pd_short_uncached_prompt_skips_remote_prefill(upstream, router) -
     assert f'tandem:router_upstream_requests_total{{endpoint="{p.url}",outcome="200",role="prefill"}} 1.0' in text
 
 
-async def test_pd_failed_prefill_falls_back_to_local_prefill(upstream, router) -> None:
-    p = await upstream(name="p", status=500)
+async def long_prompt_with_prefill_answering(upstream, router, status: int):  # type: ignore[no-untyped-def]
+    """LONG through a router whose one prefill upstream answers `status`: prefill, decode and the
+    router's response (its status and text)."""
+    p = await upstream(name="p", status=status)
     d = await upstream(name="d")
     r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
     async with aiohttp.ClientSession() as s:
         async with s.post(r.url + "/v1/completions", json={"prompt": LONG}) as resp:
-            assert resp.status == 200
-            assert (await resp.json())["choices"][0]["text"].startswith(" d-0")
+            return p, d, resp.status, await resp.text()
+
+
+async def test_pd_failed_prefill_falls_back_to_local_prefill(upstream, router) -> None:
+    p, d, status, text = await long_prompt_with_prefill_answering(upstream, router, 500)
+    assert status == 200
+    assert json.loads(text)["choices"][0]["text"].startswith(" d-0")
     assert len(p.seen) == 1 and "kv_transfer_params" not in d.seen[0].body
 
 
 async def test_pd_prefill_rejecting_the_request_is_relayed(upstream, router) -> None:
-    p = await upstream(name="p", status=400)
-    d = await upstream(name="d")
-    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
-    async with aiohttp.ClientSession() as s:
-        async with s.post(r.url + "/v1/completions", json={"prompt": LONG}) as resp:
-            assert resp.status == 400
+    _, d, status, _ = await long_prompt_with_prefill_answering(upstream, router, 400)
+    assert status == 400
     assert d.seen == []
 
 

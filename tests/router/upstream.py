@@ -26,6 +26,49 @@ class Seen:
 
 
 @dataclass
+class Answer:
+    """One generated answer in OpenAI's completion or chat shape, whole or as stream chunks."""
+
+    rid: str
+    body: dict[str, Any]
+    chat: bool
+    pieces: list[str]
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def usage(self) -> dict[str, int]:
+        n = len(self.pieces)
+        return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+
+    def complete(self, kv_out: dict[str, Any] | None) -> dict[str, Any]:
+        text = "".join(self.pieces)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": f"cmpl-{self.rid}", "object": self.object, "created": int(time.time()),
+                "model": self.body.get("model"), "choices": [choice], "usage": self.usage,
+                "kv_transfer_params": kv_out}
+
+    def delta(self, piece: str) -> list[dict[str, Any]]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+        if self.chat:
+            choice["delta"] = {"content": piece}
+        else:
+            choice["text"] = piece
+        return [choice]
+
+    def sse(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        chunk = {"id": f"cmpl-{self.rid}", "object": self.object + ".chunk", "created": 0,
+                 "model": self.body.get("model"), "choices": choices, **extra}
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+@dataclass
 class TestUpstream:
     __test__ = False  # not a pytest class
 
@@ -45,99 +88,59 @@ class TestUpstream:
     def text(self, n: int) -> list[str]:
         return [f" {self.name}-{i}" for i in range(n)]
 
+    def _kv_out(self, body: dict[str, Any], rid: str) -> dict[str, Any] | None:
+        """What a prefill engine returns for a request that asked for remote decode."""
+        if not (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.name,
+            "remote_request_id": rid,
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+        }
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         rid = request.headers.get("X-Request-Id", "")
         self.seen.append(Seen(request.path, body, {k.lower(): v for k, v in request.headers.items()}))
         if self.status != 200:
-            err = {
-                "error": {
-                    "message": f"{self.name} says {self.status}",
-                    "type": "x",
-                    "param": None,
-                    "code": self.status,
-                }
-            }
-            return web.json_response(err, status=self.status)
-        chat = request.path.endswith("chat/completions")
+            err = {"message": f"{self.name} says {self.status}", "type": "x", "param": None, "code": self.status}
+            return web.json_response({"error": err}, status=self.status)
         n = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
-        pieces = self.text(n)
-        kv_in = body.get("kv_transfer_params") or {}
-        kv_out = None
-        if kv_in.get("do_remote_decode"):
-            kv_out = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_engine_id": self.name,
-                "remote_request_id": rid,
-                "remote_block_ids": [1, 2, 3],
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "tp_size": 1,
-            }
-        usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
-        obj = "chat.completion" if chat else "text_completion"
-        if not body.get("stream"):
-            try:
-                await asyncio.sleep(self.token_delay * n)
-            except asyncio.CancelledError:
-                self.disconnected.append(rid)
-                raise
-            text = "".join(pieces)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            out = {
-                "id": f"cmpl-{rid}",
-                "object": obj,
-                "created": int(time.time()),
-                "model": body.get("model"),
-                "choices": [choice],
-                "usage": usage,
-                "kv_transfer_params": kv_out,
-            }
-            self.finished.append(rid)
-            return web.json_response(out)
+        answer = Answer(rid, body, request.path.endswith("chat/completions"), self.text(n))
+        if body.get("stream"):
+            return await self._stream(request, answer)
+        try:
+            await asyncio.sleep(self.token_delay * n)
+        except asyncio.CancelledError:
+            self.disconnected.append(rid)
+            raise
+        self.finished.append(rid)
+        return web.json_response(answer.complete(self._kv_out(body, rid)))
+
+    async def _stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
-            for i, piece in enumerate(pieces):
+            for i, piece in enumerate(answer.pieces):
                 if self.cut_after is not None and i >= self.cut_after:
                     assert request.transport is not None
                     request.transport.abort()  # like a killed process: no terminating chunk
                     return resp
                 await asyncio.sleep(self.token_delay)
-                delta: dict[str, Any] = {"index": 0, "finish_reason": None}
-                if chat:
-                    delta["delta"] = {"content": piece}
-                else:
-                    delta["text"] = piece
-                chunk = {
-                    "id": f"cmpl-{rid}",
-                    "object": obj + ".chunk",
-                    "created": 0,
-                    "model": body.get("model"),
-                    "choices": [delta],
-                }
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if (body.get("stream_options") or {}).get("include_usage"):
-                chunk = {
-                    "id": f"cmpl-{rid}",
-                    "object": obj + ".chunk",
-                    "created": 0,
-                    "model": body.get("model"),
-                    "choices": [],
-                    "usage": usage,
-                }
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(answer.sse(answer.delta(piece)))
+            if (answer.body.get("stream_options") or {}).get("include_usage"):
+                await resp.write(answer.sse([], usage=answer.usage))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
-            self.disconnected.append(rid)
+            self.disconnected.append(answer.rid)
             raise
-        self.finished.append(rid)
+        self.finished.append(answer.rid)
         return resp
 
     async def _health(self, request: web.Request) -> web.Response:

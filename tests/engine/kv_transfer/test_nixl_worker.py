@@ -32,7 +32,7 @@ from tandem_engine.kv_transfer.messages import (
     reply_decoder,
 )
 from tandem_engine.kv_transfer.nixl_worker import NixlConnectorWorker
-from tests.engine.engine_server import free_port
+from tandem_router.procs import free_port
 
 BS = 4
 

@@ -13,8 +13,8 @@ import pytest
 
 from tandem_engine.kv_transfer import side_channel
 from tandem_engine.kv_transfer.messages import Debug, DebugView
-from tests.engine.core.test_engine_lifecycle import cpu_seconds, engine_pids
-from tests.engine.engine_server import Server, stop
+from tandem_router.procs import cpu_seconds, engine_pids
+from tests.engine.engine_server import Server
 from tests.engine.kv_transfer.pd_proxy import (
     completion,
     freeze,
@@ -48,8 +48,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Serve
     try:
         yield p, d
     finally:
-        stop(d.proc)
-        stop(p.proc)
+        d.stop()
+        p.stop()
 
 
 def side_address(p: Server) -> str:

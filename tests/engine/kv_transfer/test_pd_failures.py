@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tandem_router.local_stack import split_cpus
-from tests.engine.engine_server import Server, stop, wait_healthy
+from tests.engine.engine_server import Server
 from tests.engine.kv_transfer.pd_proxy import completion, freeze, idle, kill, launch, prefill, start_pair, wait_for
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ class Pair:
         """A new prefill process on the same HTTP port and side-channel port (a pod restart)."""
         port = int(self.p.url.rsplit(":", 1)[1])
         self.p = launch(self.log_dir, self.p_args, port=port, cpus=split_cpus(2)[0])
-        wait_healthy(self.p.url, self.p.proc, self.p.log_path, 300)
+        self.p.wait_healthy(300)
 
 
 def _args(server: Server) -> list[str]:
@@ -46,8 +46,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         yield pair
     finally:
-        stop(pair.d.proc)
-        stop(pair.p.proc)
+        pair.d.stop()
+        pair.p.stop()
 
 
 def post(url: str, body: dict[str, Any]) -> httpx.Response:

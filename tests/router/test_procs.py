@@ -1,0 +1,57 @@
+"""tandem_router.procs: Prometheus scraping that refuses unknown metrics, and a child's start/wait/stop."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import prometheus_client
+import pytest
+from tests.router.utils import start_upstream_process
+
+from tandem_router.procs import Child, ChildExited, free_port, metric
+
+
+def exposition() -> str:
+    registry = prometheus_client.CollectorRegistry()
+    c = prometheus_client.Counter("t:requests", "", ["outcome"], registry=registry)
+    c.labels(outcome="200").inc(3)
+    c.labels(outcome="500").inc()
+    prometheus_client.Counter("t:failures", "", ["reason"], registry=registry)  # no sample yet
+    prometheus_client.Histogram("t:latency_seconds", "", registry=registry).observe(0.5)
+    return prometheus_client.generate_latest(registry).decode()
+
+
+def test_metric_sums_matching_samples_and_refuses_a_metric_nothing_exports() -> None:
+    text = exposition()
+    assert metric(text, "t:requests_total") == 4.0
+    assert metric(text, "t:requests_total", outcome="500") == 1.0
+    assert metric(text, "t:requests_total", outcome="404") == 0.0  # declared, no such sample yet
+    assert metric(text, "t:failures_total") == 0.0
+    assert metric(text, "t:latency_seconds_sum") == 0.5 and metric(text, "t:latency_seconds_count") == 1.0
+    for missing in ("t:request_total", "t:requests", "t:latency_seconds_max"):
+        with pytest.raises(LookupError, match=missing):
+            metric(text, missing)
+
+
+def test_child_waits_for_health_and_stops_with_sigterm(tmp_path: Path) -> None:
+    up = start_upstream_process(free_port(), "u", tmp_path)
+    try:
+        assert up.wait_healthy(30) > 0 and up.ready
+    finally:
+        assert up.stop() == -signal.SIGTERM
+    assert not up.alive()
+
+
+def test_child_that_exits_or_never_answers_fails_the_wait_with_its_log(tmp_path: Path) -> None:
+    dead = Child("dead", f"http://127.0.0.1:{free_port()}", [sys.executable, "-c", "print('boom'); exit(3)"],
+                 tmp_path / "dead.log", die_with_parent=False).start()
+    with pytest.raises(ChildExited, match="dead exited with code 3:\nboom"):
+        dead.wait_healthy(30)
+    mute = Child("mute", f"http://127.0.0.1:{free_port()}", [sys.executable, "-c", "import time; time.sleep(60)"],
+                 tmp_path / "mute.log", die_with_parent=False).start()
+    with pytest.raises(TimeoutError, match="mute not healthy"):
+        mute.wait_healthy(0.5)
+    mute.kill()
+    assert mute.proc is not None and mute.proc.returncode == -signal.SIGKILL
