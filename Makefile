@@ -43,8 +43,8 @@ bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/serving.py
 	$(PY) bench/engine_profile.py --batch 32 --prompt-len 256 --output-len 128
 
-lint: setup ## ruff and mypy
+lint: setup ## ruff, and mypy --strict on every package
 	$(VENV)/bin/ruff check operator workers tests bench
-	$(VENV)/bin/mypy operator/tandem_operator workers/tandem_router
+	$(VENV)/bin/mypy operator/tandem_operator workers/tandem_router workers/tandem_engine workers/tandem_cli
 
 typecheck: lint ## alias of lint
