@@ -13,7 +13,7 @@ from typing import Literal
 
 from tandem_engine.cpu_budget import ThreadPlan, plan_threads
 
-Role = Literal["both", "prefill", "decode"]
+EngineRole = Literal["both", "prefill", "decode"]  # colocated, or one side of P/D
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVFailurePolicy = Literal["fail", "recompute"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -36,7 +36,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = field(default_factory=_served_model_name_from_env)
     dtype: DType = "auto"
-    role: Role = "both"
+    role: EngineRole = "both"
     # Model limits; None means "from the model's config".
     max_model_len: int | None = None
     # Cache

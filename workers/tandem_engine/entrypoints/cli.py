@@ -23,8 +23,8 @@ from tandem_engine.config import (
     AttentionBackendName,
     DType,
     EngineConfig,
+    EngineRole,
     KVFailurePolicy,
-    Role,
 )
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
 
 def _add_kv_transfer_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
     kv = p.add_argument_group("prefill/decode disaggregation")
-    kv.add_argument("--role", default=d.role, choices=get_args(Role),
+    kv.add_argument("--role", default=d.role, choices=get_args(EngineRole),
                     help="both: a colocated engine; prefill or decode: one side of a P/D pair")
     kv.add_argument("--kv-side-channel-port", type=int, default=d.kv_side_channel_port,
                     help="port a prefill engine serves its KV metadata on")
