@@ -66,6 +66,22 @@ async def test_pd_short_uncached_prompt_skips_remote_prefill(upstream, router) -
     assert f'tandem:router_upstream_requests_total{{endpoint="{p.url}",outcome="200",role="prefill"}} 1.0' in text
 
 
+@pytest.mark.parametrize("extra", [{"n": 2}, {"best_of": 2}, {"prompt": [LONG, LONG + "again"]}],
+                         ids=["n", "best_of", "two-prompts"])
+async def test_pd_several_sequences_prefill_on_decode(upstream, router, extra) -> None:
+    """An engine takes kv_transfer_params only for one prompt and one sequence: a request asking for more
+    goes straight to decode, which prefills locally, instead of failing there with a 400."""
+    p = await upstream(name="p")
+    d = await upstream(name="d")
+    r = await router(decode_urls=[d.url], prefill_urls=[p.url], remote_prefill_threshold=0)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.url + "/v1/completions", json={"prompt": LONG, **extra}) as resp:
+            assert resp.status == 200
+        text = await (await s.get(r.url + "/metrics")).text()
+    assert p.seen == [] and len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0].body
+    assert 'tandem:router_pd_decisions_total{decision="local_several_sequences"} 1.0' in text
+
+
 async def long_prompt_with_prefill_answering(upstream, router, status: int):  # type: ignore[no-untyped-def]
     """LONG through a router whose one prefill upstream answers `status`: prefill, decode and the
     router's response (its status and text)."""

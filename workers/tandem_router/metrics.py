@@ -49,7 +49,7 @@ class RouterMetrics:
         )
         self.pd_decisions = counter(
             "tandem:router_pd_decisions_total", ("decision",),
-            "P/D decisions: remote prefill, local prefill on decode (short uncached prompt), or fallback",
+            "P/D decisions: remote prefill, or local prefill on decode and why",
         )
         self.prefix_hit_ratio = histogram(
             "tandem:router_prefix_match_ratio", ("role",),

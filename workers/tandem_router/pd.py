@@ -2,7 +2,8 @@
 
 The decode endpoint is picked first, so the router knows how much of the prompt that endpoint already
 holds. When the uncached part is short (at most `remote_prefill_threshold` tokens), or no prefill
-endpoint is healthy, decode prefills locally. Otherwise a prefill endpoint computes the prompt with
+endpoint is healthy, or the request asks for several sequences (`n`, `best_of`, a batch of prompts),
+decode prefills locally. Otherwise a prefill endpoint computes the prompt with
 `max_tokens=1` and returns `kv_transfer_params`, which go to decode with the original request. A prefill
 that fails or returns no params falls back to local prefill: the client still gets its answer.
 """
@@ -94,6 +95,9 @@ async def open_pd(
     cached_tokens = d.matched_blocks * router.config.block_chars // CHARS_PER_TOKEN
     uncached = max(0, rreq.prompt_tokens - cached_tokens)
     metrics = router.metrics
+    if not req.one_sequence:  # n, best_of or a batch of prompts: KV from one prefill serves none of them
+        metrics.pd_decisions.labels("local_several_sequences").inc()
+        return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)
     if uncached <= router.config.remote_prefill_threshold:
         metrics.pd_decisions.labels("local_short_uncached").inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)

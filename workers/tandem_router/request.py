@@ -75,6 +75,14 @@ class ParsedRequest:
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
 
+    @property
+    def one_sequence(self) -> bool:
+        """One prompt, one sampled sequence: the only shape a remote prefill's KV can serve."""
+        prompt = self.body.get("prompt")
+        several_prompts = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+        return not several_prompts and all(
+            not isinstance(self.body.get(k), int) or self.body[k] <= 1 for k in ("n", "best_of"))
+
 
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
