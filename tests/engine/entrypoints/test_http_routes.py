@@ -52,3 +52,4 @@ async def test_bug_is_500_in_openai_shape(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v1/completions", json={"prompt": "BUG", "max_tokens": 2})
     assert_error(resp, 500)
     assert resp.json()["error"]["message"] == "Internal server error"  # no internals leak
+    assert resp.json()["error"]["type"] == "InternalServerError"  # as vLLM names it, one "Error"

@@ -173,7 +173,9 @@ async def test_dead_or_draining_engine_is_503(
     engine.ready = False  # draining
     assert_error(await client.post(path, json=body), 503)
     engine.ready, engine.dead = True, EngineDeadError("boom")
-    assert_error(await client.post(path, json=body), 503, contains="boom")
+    resp = await client.post(path, json=body)
+    assert_error(resp, 503, contains="boom")
+    assert resp.json()["error"]["type"] == "ServiceUnavailableError"
     assert engine.calls == []
     # Dies between the readiness check and the first output: the engine's own EngineDeadError.
     engine.dead, engine.fail_stream_after = None, 0

@@ -82,8 +82,10 @@ class OpenAIError(Exception):
 def _default_type(status: HTTPStatus) -> str:
     if status == HTTPStatus.BAD_REQUEST:
         return "invalid_request_error"
-    # vLLM's convention: the status phrase in CamelCase ("NotFoundError", "ServiceUnavailableError").
-    return status.phrase.title().replace(" ", "").replace("-", "") + "Error"
+    # vLLM's convention: the status phrase in CamelCase ending in one "Error" ("NotFoundError",
+    # "ServiceUnavailableError", "InternalServerError").
+    name = status.phrase.title().replace(" ", "").replace("-", "")
+    return name if name.endswith("Error") else name + "Error"
 
 
 # -------------------------------------------------------------------------------------------- requests
