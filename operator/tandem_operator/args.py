@@ -57,7 +57,8 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
     if e.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     if spec.disaggregated and spec.kv_transfer is not None:
-        args += ["--kv-side-channel-port", str(spec.kv_transfer.side_channel_port)]
+        args += ["--kv-connector", spec.kv_transfer.connector,
+                 "--kv-side-channel-port", str(spec.kv_transfer.side_channel_port)]
     return args
 
 

@@ -39,6 +39,7 @@ MANAGED_ENGINE_FLAGS = (
     "--block-size",
     "--max-num-seqs",
     "--max-num-batched-tokens",
+    "--kv-connector",
     "--kv-side-channel-port",
 )
 MODEL_URI = re.compile(

@@ -120,7 +120,6 @@ def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     ]
     kv = spec.kv_transfer
     if spec.disaggregated and kv is not None:
-        env.append({"name": "TANDEM_KV_CONNECTOR", "value": kv.connector})
         if kv.ucx_transports:
             env.append({"name": "UCX_TLS", "value": kv.ucx_transports})
         if kv.ucx_net_devices:

@@ -156,6 +156,8 @@ def test_prefill_and_decode_cannot_disagree() -> None:
         "64",
         "--max-num-batched-tokens",
         "2048",
+        "--kv-connector",
+        "NixlConnector",
         "--kv-side-channel-port",
         "5600",
     ]
@@ -177,7 +179,7 @@ def test_startup_budget_and_colocated_role() -> None:
     assert dep["spec"]["progressDeadlineSeconds"] > 7200
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--role") + 1] == "both" and "--kv-side-channel-port" not in args
-    assert "--kv-host" not in args
+    assert "--kv-host" not in args and "--kv-connector" not in args
 
 
 @pytest.mark.parametrize("role", [Component.PREFILL, Component.DECODE])

@@ -16,6 +16,7 @@ from tandem_engine.cpu_budget import ThreadPlan, plan_threads
 EngineRole = Literal["both", "prefill", "decode"]  # colocated, or one side of P/D
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVFailurePolicy = Literal["fail", "recompute"]
+KVConnectorName = Literal["NixlConnector"]  # the one connector today; the CRD names it too
 AttentionBackendName = Literal["auto", "torch", "triton"]
 
 SERVED_MODEL_NAME_ENV = "TANDEM_SERVED_MODEL_NAME"  # set by the operator on every engine pod
@@ -51,6 +52,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     num_threads: int | None = None  # torch threads per EngineCore; None: the CPUs we may use / DP size
     # KV transfer (P/D)
+    kv_connector: KVConnectorName = "NixlConnector"
     kv_side_channel_port: int = 5600
     kv_host: str = "127.0.0.1"
     kv_lease_seconds: float = 30.0

@@ -24,6 +24,7 @@ from tandem_engine.config import (
     DType,
     EngineConfig,
     EngineRole,
+    KVConnectorName,
     KVFailurePolicy,
 )
 
@@ -90,6 +91,8 @@ def _add_kv_transfer_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
     kv = p.add_argument_group("prefill/decode disaggregation")
     kv.add_argument("--role", default=d.role, choices=get_args(EngineRole),
                     help="both: a colocated engine; prefill or decode: one side of a P/D pair")
+    kv.add_argument("--kv-connector", default=d.kv_connector, choices=get_args(KVConnectorName),
+                    help="how a prefill or decode engine moves KV blocks")
     kv.add_argument("--kv-side-channel-port", type=int, default=d.kv_side_channel_port,
                     help="port a prefill engine serves its KV metadata on")
     kv.add_argument("--kv-host", default=d.kv_host, help="address decode engines use to reach this one")
