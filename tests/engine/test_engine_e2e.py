@@ -5,6 +5,8 @@ token budget and again with prefix-cache hits."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import importlib.util
 import random
 from collections.abc import Iterator
@@ -72,10 +74,32 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield s
 
 
+@functools.cache
 def tokenizer():  # type: ignore[no-untyped-def]
     from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
     return load_config_and_tokenizer(resolve_model("smollm2-135m-instruct"))[1]
+
+
+@functools.cache
+def ids_by_text() -> dict[str, list[int]]:
+    """Every token id of the vocabulary under the text it decodes to on its own."""
+    tok = tokenizer()
+    by_text: dict[str, list[int]] = collections.defaultdict(list)
+    for i in range(len(tok)):
+        by_text[tok.decode([i])].append(i)
+    return by_text
+
+
+def generated_ids(body: dict) -> list[int]:
+    """The generated token ids, read back from the logprobs' per-token texts (the API returns no ids): a
+    text that a single token of the vocabulary decodes to names that token."""
+    ids = []
+    for text in body["choices"][0]["logprobs"]["tokens"]:
+        candidates = ids_by_text().get(text, [])
+        assert len(candidates) == 1, f"{text!r} names tokens {candidates}, not one token"
+        ids.append(candidates[0])
+    return ids
 
 
 def complete_all(url: str, prompts: list[list[int]]) -> list[dict]:
@@ -92,13 +116,11 @@ def complete_all(url: str, prompts: list[list[int]]) -> list[dict]:
 
 
 def assert_same_tokens(bodies: list[dict], reference: list[list[int]]) -> None:
-    tok = tokenizer()
     for body, ref in zip(bodies, reference, strict=True):
-        choice = body["choices"][0]
         # One logprobs entry per generated token, holding that token's own text.
-        assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in ref]
+        assert generated_ids(body) == ref
         assert body["usage"]["completion_tokens"] == len(ref)
-        assert choice["text"] == tok.decode(ref, skip_special_tokens=True)
+        assert body["choices"][0]["text"] == tokenizer().decode(ref, skip_special_tokens=True)
 
 
 def test_concurrent_greedy_equals_transformers_with_chunked_prefill(
@@ -109,13 +131,15 @@ def test_concurrent_greedy_equals_transformers_with_chunked_prefill(
 
 def test_prefix_cache_hits_give_the_same_tokens(
         server: Server, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    complete_all(server.url, prompts)  # caches every full block of each prompt, whatever ran before
     hits_before = server.metric("vllm:prefix_cache_hits_total")
     bodies = complete_all(server.url, prompts)
     assert_same_tokens(bodies, reference)
-    assert server.metric("vllm:prefix_cache_hits_total") > hits_before
     cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
-    # Every prompt longer than one block is now (mostly) served from the cache.
-    assert all(c >= (n - 1) // 16 * 16 for c, n in zip(cached, PROMPT_LENS, strict=True))
+    # Every full block of each prompt comes from the cache, but for the block holding the last prompt
+    # token, which is computed for its logits.
+    assert cached == [(n - 1) // 16 * 16 for n in PROMPT_LENS]
+    assert server.metric("vllm:prefix_cache_hits_total") - hits_before == sum(cached)
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
 
 

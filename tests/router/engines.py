@@ -6,8 +6,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 from tests.router.utils import REPO
 
 from tandem_router.procs import TANDEM
@@ -17,6 +20,26 @@ MODEL = "smollm2-135m-instruct"
 # float32: the tests compare greedy answers across engines, paths and prefix-cache hits, which only
 # float32 keeps token-exact (bfloat16 rounding depends on the matmul's shape; see docs/operations.md).
 ENGINE_ARGS = ["--max-model-len", "2048", "--dtype", "float32"]
+BLOCK_SIZE = 16  # the engines' --block-size where a test counts blocks
+DECISIONS = "tandem:router_pd_decisions_total"
+RECEIVED = "tandem:kv_transfer_received_blocks_total"
+
+
+def blocks_to_read(engine: str, **prompt: Any) -> int:
+    """The blocks a decode engine that holds none of the prompt (`prompt=` or `messages=`) reads: all
+    but the last prompt token's, which it recomputes for its logits."""
+    tokens = int(httpx.post(engine + "/tokenize", json={"model": MODEL, **prompt}, timeout=30).json()["count"])
+    return -(-(tokens - 1) // BLOCK_SIZE)
+
+
+def settled(read: Callable[[], float], target: float, timeout: float = 20.0) -> float:
+    """`read()` once it reaches `target` (a counter that trails the answer: the router counts a streamed
+    answer once its stream is closed, an engine publishes its counters with the next step's stats), or
+    its value when `timeout` runs out, for the caller's exact assertion."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) < target and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
 
 
 class UpProcess:

@@ -1,7 +1,8 @@
-"""End to end with real processes: `tandem up` runs two `tandem serve` engines on the embedded model
-behind `tandem route`, and a second router drives the same engines through the P/D flow.
+"""End to end with real processes: `tandem up` runs a prefill engine and two decode engines on the
+embedded model behind `tandem route`, and a second router sends every prompt through the P/D flow:
+prefill engine -> KV blocks over NIXL -> decode engine.
 
-One engine pair for the whole module (startup dominates). The engine-killing test runs last.
+One stack for the whole module (startup dominates). The engine-killing test runs last.
 """
 
 from __future__ import annotations
@@ -17,27 +18,27 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from tests.router.engines import ENGINE_ARGS, MODEL, UpProcess
+from tests.router.engines import BLOCK_SIZE, DECISIONS, ENGINE_ARGS, MODEL, RECEIVED, UpProcess, blocks_to_read, settled
 
-from tandem_router.procs import Child, free_port, metric, tandem_child
+from tandem_router.procs import Child, free_port, metric, scrape, tandem_child
 
 pytestmark = pytest.mark.slow
 UPSTREAM = "tandem:router_upstream_requests_total"
+DISCONNECTS = "tandem:router_client_disconnects_total"
 
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
-MESSAGES = [
-    {"role": "system", "content": "You are a terse geography tutor. " * 6},
-    {"role": "user", "content": "What is the capital of Spain?"},
-]
+SYSTEM = "You are a terse geography tutor. " * 6
+QUESTION = {"role": "user", "content": "What is the capital of Spain?"}
 
 
 @dataclass
 class Stack:
-    engines: list[str]
-    pids: list[int]
-    up: UpProcess  # `tandem up`: two colocated engines behind a round-robin router
+    prefill: str
+    decode: list[str]
+    decode_pids: list[int]
+    up: UpProcess  # `tandem up`: one prefill and two decode engines behind a round-robin router
     router: str
-    pd_router: str  # a second router over the same engines: prefill = engine 0, decode = engine 1
+    pd_router: str  # a second router over prefill-0 and decode-0 that prefills every prompt remotely
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +50,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--port",
             str(port),
             "--prefill",
-            "0",
+            "1",
             "--decode",
             "2",
             "--policy",
             "round-robin",
             "--engine-args",
-            " ".join(ENGINE_ARGS),
+            " ".join([*ENGINE_ARGS, "--block-size", str(BLOCK_SIZE)]),
             "--router-args",
             "--health-interval 0.5",
         ],
@@ -64,13 +65,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pd: Child | None = None
     try:
         up.wait_for("] ready in", timeout=400)
-        engines = [up.url_of(f"engine-{i}") for i in range(2)]
-        pids = [up.pid_of(f"engine-{i}") for i in range(2)]
-        argv = ["--prefill", engines[0], "--decode", engines[1]]
-        pd = tandem_child("pd-router", "route", [*argv, "--remote-prefill-threshold", "0"], d / "pd-router.log",
-                          die_with_parent=False).start()
+        decode = [up.url_of(f"decode-{i}") for i in range(2)]
+        pids = [up.pid_of(f"decode-{i}") for i in range(2)]
+        argv = ["--prefill", up.url_of("prefill-0"), "--decode", decode[0], "--remote-prefill-threshold", "0"]
+        pd = tandem_child("pd-router", "route", argv, d / "pd-router.log", die_with_parent=False).start()
         pd.wait_healthy(timeout=30)
-        yield Stack(engines, pids, up, f"http://127.0.0.1:{port}", pd.url)
+        yield Stack(up.url_of("prefill-0"), decode, pids, up, f"http://127.0.0.1:{port}", pd.url)
     finally:
         if pd is not None:
             pd.stop()
@@ -79,52 +79,64 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert "[up] stopped" in up.text()
 
 
-def generate(base: str, stream: bool, chat: bool) -> str:
+def messages(tag: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": tag + SYSTEM}, QUESTION]
+
+
+def generate(base: str, stream: bool, chat: bool, tag: str = "") -> str:
+    """A greedy answer; `tag` starts the prompt, so that a tagged prompt shares no KV block with another."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     kw = {"model": MODEL, "max_tokens": 12, "temperature": 0.0}
     if chat:
         if stream:
-            chunks = client.chat.completions.create(messages=MESSAGES, stream=True, **kw)  # type: ignore[call-overload]
+            chunks = client.chat.completions.create(messages=messages(tag), stream=True, **kw)  # type: ignore[call-overload]
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        return client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content or ""  # type: ignore[call-overload]
+        return client.chat.completions.create(messages=messages(tag), **kw).choices[0].message.content or ""  # type: ignore[call-overload]
     if stream:
-        chunks = client.completions.create(prompt=PROMPT, stream=True, **kw)  # type: ignore[call-overload]
+        chunks = client.completions.create(prompt=tag + PROMPT, stream=True, **kw)  # type: ignore[call-overload]
         return "".join(c.choices[0].text for c in chunks if c.choices)
-    return client.completions.create(prompt=PROMPT, **kw).choices[0].text  # type: ignore[call-overload]
+    return client.completions.create(prompt=tag + PROMPT, **kw).choices[0].text  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_openai_client_through_router_equals_engine_greedy(stack: Stack, chat: bool) -> None:
-    direct = generate(stack.engines[1], stream=False, chat=chat)
+    direct = generate(stack.decode[1], stream=False, chat=chat)
     assert direct.strip()
-    assert generate(stack.engines[0], stream=True, chat=chat) == direct
-    for _ in range(2):  # round-robin: both engines, through the router
+    assert generate(stack.decode[0], stream=True, chat=chat) == direct
+    for _ in range(2):  # round-robin: both decode engines, through the router
         assert generate(stack.router, stream=False, chat=chat) == direct
         assert generate(stack.router, stream=True, chat=chat) == direct
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-def test_openai_client_through_pd_router_equals_engine_greedy(stack: Stack, chat: bool) -> None:
-    direct = generate(stack.engines[1], stream=False, chat=chat)
+def test_pd_router_prefills_remotely_and_equals_engine_greedy(stack: Stack, chat: bool) -> None:
+    decode = stack.decode[0]
     before = httpx.get(stack.pd_router + "/metrics").text
-    assert generate(stack.pd_router, stream=True, chat=chat) == direct
-    assert generate(stack.pd_router, stream=False, chat=chat) == direct
-    # Each request went to prefill first (max_tokens=1), then decode: remotely prefilled when the
-    # engine returned kv_transfer_params, otherwise decode recomputed the prompt (local_fallback).
-    name = "tandem:router_upstream_requests_total"
-    # The router counts a streamed answer once its stream is closed, which can trail the client's last
-    # chunk by a moment: wait for the counters to settle before comparing.
-    deadline = time.monotonic() + 10
-    while True:
-        after = httpx.get(stack.pd_router + "/metrics").text
-        settled = metric(after, name, role="decode", outcome="200") - metric(before, name, role="decode", outcome="200")
-        if settled >= 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert metric(after, name, role="prefill", outcome="200") - metric(before, name, role="prefill", outcome="200") == 2
-    assert metric(after, name, role="decode", outcome="200") - metric(before, name, role="decode", outcome="200") == 2
-    decisions = "tandem:router_pd_decisions_total"
-    assert metric(after, decisions) - metric(before, decisions) == 2
+    received, served = scrape(decode, RECEIVED), scrape(decode, "vllm:request_success_total")
+    blocks = 0
+    for stream in (True, False):
+        # A prompt no other request used: decode-0 holds none of its blocks and reads every one of them.
+        tag = f"{'Chat' if chat else 'Text'} round, {'streamed' if stream else 'whole'} answer. "
+        direct = generate(stack.decode[1], stream=False, chat=chat, tag=tag)
+        assert generate(stack.pd_router, stream=stream, chat=chat, tag=tag) == direct
+        blocks += blocks_to_read(decode, **({"messages": messages(tag)} if chat else {"prompt": tag + PROMPT}))
+
+    def router_count(name: str, **labels: str) -> float:
+        return scrape(stack.pd_router, name, **labels) - metric(before, name, **labels)
+
+    # Each request went to prefill first (max_tokens=1), then to decode with prefill's kv_transfer_params,
+    # and decode answered both. The router saw no failed decode leg. It may count the streamed one as a
+    # client disconnect instead of a 200: the openai client closes a stream at `[DONE]`, which can beat
+    # the engine's end of stream to the router.
+    assert settled(lambda: scrape(decode, "vllm:request_success_total") - served, 2) == 2
+    legs = settled(lambda: router_count(UPSTREAM, role="decode", outcome="200") + router_count(DISCONNECTS), 2)
+    decode_ok = router_count(UPSTREAM, role="decode", outcome="200")
+    assert legs >= 2 and decode_ok in (1, 2) and router_count(UPSTREAM, role="decode") == decode_ok
+    assert router_count(UPSTREAM, role="prefill", outcome="200") == 2
+    assert router_count(DECISIONS, decision="remote") == 2
+    assert router_count(DECISIONS) == 2
+    # ... and decode read each prompt's KV blocks from the prefill engine over NIXL.
+    assert settled(lambda: scrape(decode, RECEIVED) - received, blocks) == blocks
 
 
 def test_kill_an_engine_under_load_then_readmit(stack: Stack) -> None:
@@ -157,10 +169,12 @@ async def _kill_under_load(stack: Stack) -> None:
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_chunk)), 120)
     async with httpx.AsyncClient() as http:
         text = (await http.get(stack.router + "/metrics")).text
-    victim = stack.engines[0]
+    victim = stack.decode[0]
     on_victim = metric(text, "tandem:router_in_flight_requests", endpoint=victim)
-    assert on_victim == 2  # round-robin put half the streams on each engine
-    os.kill(stack.pids[0], signal.SIGKILL)
+    assert on_victim == 2  # round-robin put half the streams on each decode engine
+    os.kill(stack.decode_pids[0], signal.SIGKILL)
+    # The router ejects it (a cut stream, or its health checks): long before `tandem up` has it back.
+    await admitted(stack.router, victim, False, timeout=30)
     await asyncio.wait_for(asyncio.gather(*load), 180)
     assert outcome == {"error": 2, "ok": 2}, outcome
     # New requests succeed on the survivor (the first may meet a refused connection and be retried).
@@ -171,26 +185,30 @@ async def _kill_under_load(stack: Stack) -> None:
         text = (await http.get(stack.router + "/metrics")).text
     assert metric(text, UPSTREAM, endpoint=victim, outcome="broken") == 2
     # `tandem up` restarts it on the same port; health checks re-admit it and it serves again.
-    await asyncio.to_thread(stack.up.wait_for, "engine-0 ready again", 400)
-    assert "restarting engine-0 (1/5)" in stack.up.text()
+    await asyncio.to_thread(stack.up.wait_for, "decode-0 ready again", 400)
+    assert "restarting decode-0 (1/5)" in stack.up.text()
+    await admitted(stack.router, victim, True, timeout=30)
     async with httpx.AsyncClient() as http:
-        for _ in range(100):
-            if (await http.get(stack.router + "/health")).json()["decode"][victim]:
-                break
-            await asyncio.sleep(0.1)
-        before = metric(
-            (await http.get(stack.router + "/metrics")).text,
-            "tandem:router_upstream_requests_total",
-            endpoint=victim,
-            outcome="200",
-        )
+        before = metric((await http.get(stack.router + "/metrics")).text, UPSTREAM, endpoint=victim, outcome="200")
         for _ in range(2):
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0.0)
-        after = metric(
-            (await http.get(stack.router + "/metrics")).text,
-            "tandem:router_upstream_requests_total",
-            endpoint=victim,
-            outcome="200",
-        )
+        after = metric((await http.get(stack.router + "/metrics")).text, UPSTREAM, endpoint=victim, outcome="200")
     assert after - before == 1
     await client.close()
+
+
+async def admitted(router: str, endpoint: str, healthy: bool, timeout: float) -> None:
+    """Wait until the router's /health and its `endpoint_healthy` gauge both show `endpoint` as
+    `healthy`; fail the test if they do not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as http:
+        while True:
+            state = (await http.get(router + "/health")).json()["decode"][endpoint]
+            gauge = metric((await http.get(router + "/metrics")).text, "tandem:router_endpoint_healthy",
+                           role="decode", endpoint=endpoint)
+            if state is healthy and gauge == float(healthy):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"{endpoint} not {'admitted' if healthy else 'ejected'} within {timeout}s "
+                            f"(/health says {state}, the gauge {gauge})")
+            await asyncio.sleep(0.05)

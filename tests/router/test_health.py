@@ -42,7 +42,7 @@ async def test_kill_an_upstream_process_under_load(router, tmp_path) -> None:
     """Streams from the killed process end with a clean error, new requests go to the survivor, and the
     process is re-admitted when it comes back on the same port."""
     ports = [free_port(), free_port()]
-    procs = [start_upstream_process(p, f"u{i}", tmp_path, tokens=60, token_delay=0.03) for i, p in enumerate(ports)]
+    procs = [start_upstream_process(p, f"u{i}", tmp_path, tokens=150, token_delay=0.03) for i, p in enumerate(ports)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         await asyncio.gather(*(asyncio.to_thread(p.wait_healthy, 30) for p in procs))
@@ -50,23 +50,24 @@ async def test_kill_an_upstream_process_under_load(router, tmp_path) -> None:
         await eventually(lambda: len(r.router.decode.healthy()) == 2)
         client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
         outcome: collections.Counter[str] = collections.Counter()
-        started = asyncio.Event()
+        started = [asyncio.Event() for _ in range(6)]
 
-        async def one() -> None:
+        async def one(i: int) -> None:
             stream = await client.completions.create(model="m", prompt="x", stream=True)
             served = None
             try:
                 async for chunk in stream:
                     served = served or chunk.choices[0].text.split("-")[0].strip()
-                    started.set()
+                    started[i].set()
                 outcome[f"ok-{served}"] += 1
             except openai.APIError as e:
                 assert "failed mid-stream" in str(e)
                 outcome[f"error-{served}"] += 1
 
-        load = [asyncio.create_task(one()) for _ in range(6)]
-        await started.wait()
-        await asyncio.sleep(0.2)
+        load = [asyncio.create_task(one(i)) for i in range(6)]
+        # Every stream is placed and flowing (150 tokens, 30 ms apart: none ends before the kill).
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+        assert [e.in_flight_requests for e in r.router.decode.endpoints.values()] == [3, 3]
         procs[0].kill()
         await asyncio.gather(*load)
         # Exactly the streams on the killed process failed, and cleanly.
@@ -77,7 +78,7 @@ async def test_kill_an_upstream_process_under_load(router, tmp_path) -> None:
         ]
         assert all(t.startswith(" u1-0") for t in after)
         assert not r.router.decode.endpoints[urls[0]].healthy
-        procs[0] = start_upstream_process(ports[0], "u0", tmp_path, tokens=60, token_delay=0.03)
+        procs[0] = start_upstream_process(ports[0], "u0", tmp_path, tokens=150, token_delay=0.03)
         await eventually(lambda: r.router.decode.endpoints[urls[0]].healthy, timeout=15)
         back = [
             (await client.completions.create(model="m", prompt="x", max_tokens=1)).choices[0].text for _ in range(4)

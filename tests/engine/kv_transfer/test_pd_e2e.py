@@ -14,7 +14,7 @@ import pytest
 from tandem_engine.kv_transfer import side_channel
 from tandem_engine.kv_transfer.messages import Debug, DebugView
 from tandem_router.procs import cpu_seconds, engine_pids
-from tests.engine.engine_server import Server
+from tests.engine.engine_server import MODEL, Server
 from tests.engine.kv_transfer.pd_proxy import (
     completion,
     freeze,
@@ -30,16 +30,22 @@ pytestmark = pytest.mark.slow
 
 LEASE = 4.0
 SENTENCE = "The quick brown fox jumps over the lazy dog while the river keeps flowing to the sea. "
+# No two prompts share a full KV block (16 tokens), so a decode engine holds none of another's blocks
+# and reads every block of each prompt but the last token's. None makes the model stop at once (a
+# prefill that ends on EOS hands nothing to decode).
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the ocean.",
-    SENTENCE * 3 + "Summarise this:",
+    "Summarise this: " + SENTENCE * 3,
     "List three prime numbers:",
-    SENTENCE * 12 + "What does the fox do?",
+    "Answer after reading: " + SENTENCE * 12 + "What does the fox do? The fox",
     "Once upon a time, in a small village,",
-    SENTENCE * 15 + "Count the dogs.",
+    "Count the dogs in: " + SENTENCE * 15,
     "def fibonacci(n):",
 ]
+BLOCK_SIZE = 16  # the engine's default --block-size
+LEASED = "[lease] holding"  # the prefill engine's log lines for blocks held for decode ...
+EXPIRED = "expired; freeing"  # ... and for a lease that ran out
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,17 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Serve
         p.stop()
 
 
+def blocks_read(prompt_tokens: int) -> int:
+    """Blocks a decode engine holding none of the prompt reads: all but the last token's, which it
+    recomputes for its logits."""
+    return -(-(prompt_tokens - 1) // BLOCK_SIZE)
+
+
+def prompt_tokens(server: Server, prompt: str) -> int:
+    body = {"model": MODEL, "prompt": prompt}
+    return int(httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["count"])
+
+
 def side_address(p: Server) -> str:
     return f"tcp://127.0.0.1:{p.log().split('side channel listening on tcp://127.0.0.1:')[1].split()[0]}"
 
@@ -61,17 +78,22 @@ async def test_pd_greedy_output_equals_colocated_for_concurrent_mixed_prompts(pd
     async with httpx.AsyncClient(timeout=120) as c:
         # The colocated reference: a request without kv_transfer_params runs the whole way on one engine.
         refs = await asyncio.gather(*[c.post(p.url + "/v1/completions", json=completion(t)) for t in PROMPTS])
-        before = d.metric("tandem:kv_transfer_received_blocks_total")
+        received = d.metric("tandem:kv_transfer_received_blocks_total")
+        sent = p.metric("tandem:kv_transfer_sent_blocks_total")
+        leases = p.log().count(LEASED)
         outs = await asyncio.gather(*[pd_completion(c, p.url, d.url, completion(t)) for t in PROMPTS])
     for ref, out in zip(refs, outs, strict=True):
         assert out.status_code == 200, out.text
         assert out.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
         assert out.json()["usage"]["completion_tokens"] == ref.json()["usage"]["completion_tokens"]
-    assert d.metric("tandem:kv_transfer_received_blocks_total") > before
-    assert p.metric("tandem:kv_transfer_sent_blocks_total") > 0
-    # Every read was released: no lease is left to run out.
+    assert p.log().count(LEASED) - leases == len(PROMPTS)  # each prompt's KV went to decode
+    blocks = sum(blocks_read(out.json()["usage"]["prompt_tokens"]) for out in outs)
+    # Every read was released: no lease is left to run out, and prefill counts the blocks each release names.
     wait_for(lambda: idle(p) and idle(d), 3.0, "both engines idle")
     assert p.metric("tandem:kv_blocks_held_for_transfer") == 0
+    assert d.metric("tandem:kv_transfer_received_blocks_total") - received == blocks
+    assert p.metric("tandem:kv_transfer_sent_blocks_total") - sent == blocks
+    assert EXPIRED not in p.log()
 
 
 async def test_idle_pd_engines_use_no_cpu_after_transfers(pd: tuple[Server, Server]) -> None:
@@ -110,11 +132,12 @@ async def test_client_aborts_at_each_stage_leave_both_engines_idle(pd: tuple[Ser
         with pytest.raises(httpx.TimeoutException):
             await prefill(fast, p.url, completion(long_prompt + " two"))
     wait_for(lambda: idle(p), LEASE - 1, "prefill idle after an abort during prefill")
+    sent = p.metric("tandem:kv_transfer_sent_blocks_total")
     async with httpx.AsyncClient(timeout=60) as c:
-        # 2. The client leaves while decode streams: decode frees, prefill got its release.
-        params = await prefill(c, p.url, completion(long_prompt + " three"))
+        # 2. The client leaves while decode streams: decode had read every block and released them.
+        streamed = await prefill(c, p.url, completion(long_prompt + " three"))
         body = {**completion(long_prompt + " three", max_tokens=200), "stream": True, "ignore_eos": True,
-                "kv_transfer_params": params}
+                "kv_transfer_params": streamed}
         async with c.stream("POST", d.url + "/v1/completions", json=body) as r:
             async for _ in r.aiter_lines():
                 break
@@ -125,6 +148,13 @@ async def test_client_aborts_at_each_stage_leave_both_engines_idle(pd: tuple[Ser
             await fast.post(d.url + "/v1/completions",
                             json={**completion(long_prompt + " four", max_tokens=200), "kv_transfer_params": params})
     wait_for(lambda: idle(p) and idle(d), LEASE + 3, "both engines idle after client aborts")
+    # Freed by decode's release, not by the lease running out: prefill logged no expiry for either and
+    # counted the blocks decode read for the streamed request (decode held none of that prompt before).
+    assert streamed is not None and params is not None
+    for rid in (streamed["remote_request_id"], params["remote_request_id"]):
+        assert f"[lease] {rid} expired" not in p.log()
+    read = blocks_read(prompt_tokens(p, long_prompt + " three"))
+    assert p.metric("tandem:kv_transfer_sent_blocks_total") - sent >= read
 
 
 async def test_prefill_dies_during_then_before_the_read_fails_cleanly(pd: tuple[Server, Server]) -> None:
