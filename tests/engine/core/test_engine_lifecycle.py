@@ -33,14 +33,20 @@ def stream_lines(url: str, body: dict, lines: list[str], started: threading.Even
                 started.set()
 
 
+def open_stream(url: str, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """A streamed completion of `max_tokens` on a thread, returned once its first line has arrived."""
+    lines: list[str] = []
+    started = threading.Event()
+    body = {"prompt": "Tell me a story", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    t = threading.Thread(target=stream_lines, args=(url, body, lines, started))
+    t.start()
+    assert started.wait(120)
+    return t, lines
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> None:
     with run_server(["--max-num-seqs", "4"], tmp_path) as s:
-        lines: list[str] = []
-        started = threading.Event()
-        body = {"prompt": "Tell me a story", "max_tokens": 24, "stream": True, "ignore_eos": True}
-        t = threading.Thread(target=stream_lines, args=(s.url, body, lines, started))
-        t.start()
-        assert started.wait(120)
+        t, lines = open_stream(s.url, 24)
         s.proc.send_signal(signal.SIGTERM)
         t.join(120)
         assert s.proc.wait(60) == 0, s.log()[-3000:]
@@ -54,12 +60,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
 def test_engine_core_death_fails_streams_turns_health_503_and_exits_nonzero(tmp_path: Path) -> None:
     with run_server(["--max-num-seqs", "4"], tmp_path) as s:
         [engine] = engine_pids(s.proc.pid)
-        lines: list[str] = []
-        started = threading.Event()
-        body = {"prompt": "Tell me a story", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-        t = threading.Thread(target=stream_lines, args=(s.url, body, lines, started))
-        t.start()
-        assert started.wait(120)
+        t, lines = open_stream(s.url, 2000)
         os.kill(engine, signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "the open stream hung after the engine died"
