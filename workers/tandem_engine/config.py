@@ -58,6 +58,11 @@ class EngineConfig:
     kv_lease_seconds: float = 30.0
     kv_failure_policy: KVFailurePolicy = "fail"
     kv_transfer_threads: int = 2  # UCX threads that split one READ into parallel copies (0: none)
+    # KV events for routers (docs/contracts.md, "KV events"); 0: none. DP rank i publishes on
+    # kv_events_port + 2i and answers replay requests on kv_events_port + 2i + 1.
+    kv_events_port: int = 0
+    kv_events_host: str = "127.0.0.1"
+    kv_events_buffer_steps: int = 10000
     # Compute
     attention_backend: AttentionBackendName = "auto"
     cpu_attention_kernel: bool = True  # the C paged-attention kernel of the torch backend, where it builds

@@ -10,6 +10,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from tandem_engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
+
 NONE_HASH = 0
 
 
@@ -22,7 +24,7 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is the null block)")
         self.num_blocks = num_blocks
@@ -35,6 +37,19 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.null_block = 0
         self.ref_cnt[0] = 1
+        # What the prefix cache gained and lost since the last `take_events()` (docs/contracts.md,
+        # "KV events"); None when nobody publishes them.
+        self._events: list[KVEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[KVEvent]:
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def record_stored(self, event: BlockStored) -> None:
+        if self._events is not None:
+            self._events.append(event)
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,14 +98,20 @@ class BlockPool:
             if self.ref_cnt[block_id] == 0:
                 self._free[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Register a full block under its hash; a duplicate of an already cached hash stays private."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a full block under its hash; a duplicate of an already cached hash stays private.
+        True when the cache gained the hash."""
         if not self.enable_caching or self.block_hash[block_id] is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        return True
+
+    def cached_hashes(self) -> set[int]:
+        """Every hash a prefix hit can find now (what a router's exact index must hold)."""
+        return set(self._cached) if self.enable_caching else set()
 
     def _evict(self, block_id: int) -> None:
         h = self.block_hash[block_id]
@@ -98,3 +119,9 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self._cached.get(h) == block_id:
                 del self._cached[h]
+                if self._events is not None:
+                    last = self._events[-1] if self._events else None
+                    if isinstance(last, BlockRemoved):
+                        last.block_hashes.append(h)
+                    else:
+                        self._events.append(BlockRemoved([h]))

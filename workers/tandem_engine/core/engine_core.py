@@ -9,9 +9,11 @@ import torch
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
+from tandem_engine.core.kv_events import AllBlocksCleared, KVEvent, KVEventBatch, KVEventPublisher
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.kv_transfer.factory import make_connector
 from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
+from tandem_engine.kv_transfer.nixl_connector import new_engine_id
 from tandem_engine.models.loader import load_model, pick_dtype, resolve_model
 from tandem_engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
@@ -40,13 +42,20 @@ class EngineCore:
                 "--kv-cache-gib or lower --max-model-len")
         self.kv_connector: KVConnectorScheduler | None = None
         self.kv_worker: KVConnectorWorker | None = None
-        self.engine_id = ""
+        self.engine_id = new_engine_id(engine_index)
         if config.role != "both":
             self.kv_connector, self.kv_worker = make_connector(config, engine_index)
             self.engine_id = self.kv_worker.engine_id
             self.runner.register_kv_connector(self.kv_worker)
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_port:
+            port, host = config.kv_events_port + 2 * engine_index, config.kv_events_host
+            self.kv_events = KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}",
+                                              config.kv_events_buffer_steps)
+            self._publish([AllBlocksCleared()])  # a new engine id starts from an empty cache
         self.scheduler = Scheduler(
-            KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching),
+            KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                           record_events=self.kv_events is not None),
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             self.kv_connector, config.kv_failure_policy,
         )
@@ -79,7 +88,13 @@ class EngineCore:
         sampled = self.runner.execute(sched) if not sched.is_empty else {}
         outputs = self.scheduler.update_from_output(sched, sampled)
         self._idle = sched.is_empty and not outputs
+        if self.kv_events is not None and (events := self.scheduler.kv.pool.take_events()):
+            self._publish(events)
         return outputs
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        assert self.kv_events is not None
+        self.kv_events.publish(KVEventBatch(time.time(), self.engine_id, events))
 
     @property
     def kv_busy(self) -> bool:
@@ -106,6 +121,9 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.kv_worker is not None:
             self.kv_worker.shutdown()
+        if self.kv_events is not None:
+            self._publish([AllBlocksCleared()])
+            self.kv_events.close()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

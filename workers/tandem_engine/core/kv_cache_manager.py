@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem_engine.core.block_pool import NONE_HASH, BlockPool, hash_block
+from tandem_engine.core.kv_events import BlockStored
 from tandem_engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 record_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.req_to_blocks: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Token counts since the last `take_prefix_stats()`.
@@ -102,8 +104,18 @@ class KVCacheManager:
         if end <= start:
             return
         self.update_block_hashes(req)
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        run: list[int] = []  # consecutive blocks the cache gained: one BlockStored each run
+        for i in range(start, end + 1):
+            if i < end and self.pool.cache_block(blocks[i], req.block_hashes[i]):
+                run.append(i)
+                continue
+            if run:
+                first, bs = run[0], self.block_size
+                parent = req.block_hashes[first - 1] if first > 0 else None
+                self.pool.record_stored(BlockStored(
+                    [req.block_hashes[j] for j in run], parent,
+                    list(req.all_token_ids[first * bs:(run[-1] + 1) * bs]), bs))
+                run = []
         self._num_cached_blocks[req.request_id] = end
 
     def get_block_ids(self, request_id: str) -> list[int]:

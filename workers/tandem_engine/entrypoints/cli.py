@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"dequantized GGUF models and the built CPU kernel; ${CACHE_DIR_ENV} when set")
     _add_engine_flags(p, d)
     _add_kv_transfer_flags(p, d)
+    _add_kv_events_flags(p, d)
     return p
 
 
@@ -85,6 +86,16 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                          help="the torch backend's C paged-attention kernel (built on first use)")
     compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
                          help="oneDNN-prepacked weights for batched CPU matmuls")
+
+
+def _add_kv_events_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
+    ev = p.add_argument_group("KV events (what the prefix cache holds, for routers)")
+    ev.add_argument("--kv-events-port", type=int, default=d.kv_events_port,
+                    help="publish KV events on this port (DP rank i: port + 2i) and answer replay "
+                    "requests on the next one; 0: off")
+    ev.add_argument("--kv-events-host", default=d.kv_events_host, help="address the KV event sockets bind")
+    ev.add_argument("--kv-events-buffer-steps", type=int, default=d.kv_events_buffer_steps,
+                    help="batches kept for replay to late or reconnecting subscribers")
 
 
 def _add_kv_transfer_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:

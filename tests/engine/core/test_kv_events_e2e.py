@@ -1,0 +1,63 @@
+"""A real engine's KV events: its prompt's blocks, with the hashes a router computes from the tokens."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from tandem_engine.core.block_pool import NONE_HASH, hash_block
+from tandem_engine.core.kv_events import AllBlocksCleared, BlockStored, decode_batch, replay
+from tandem_router.procs import free_port
+from tests.engine.engine_server import MODEL, run_server
+
+pytestmark = pytest.mark.slow
+BS = 16
+PROMPT = "The lighthouse keeper counted the ships that passed the rocks every night. " * 6
+
+
+def chain(tokens: list[int]) -> list[int]:
+    hashes, parent = [], NONE_HASH
+    for start in range(0, len(tokens) - BS + 1, BS):
+        parent = hash_block(parent, tokens[start:start + BS])
+        hashes.append(parent)
+    return hashes
+
+
+def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> None:
+    port = free_port()
+    args = ["--kv-events-port", str(port), "--block-size", str(BS), "--max-model-len", "512"]
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    with run_server(args, tmp_path) as s:
+        tokens = httpx.post(s.url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=30).json()["tokens"]
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        # Replay from 0 (this subscriber may have joined after the start-up batch): the cache began
+        # empty, then gained the prompt's full blocks, chained exactly as a router hashes the tokens.
+        deadline = time.monotonic() + 10
+        while True:
+            batches = [b for _, b in replay(f"tcp://127.0.0.1:{port + 1}", 0)]
+            stored = [h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes]
+            if len(stored) >= len(tokens) // BS or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert batches[0].events == [AllBlocksCleared()]
+        assert stored[:len(tokens) // BS] == chain(tokens)
+        engine_id = batches[0].engine_id
+        assert {b.engine_id for b in batches} == {engine_id}
+    # A clean stop says the cache is gone; the live subscriber saw it.
+    seen = []
+    while sub.poll(2000):
+        seen.append(decode_batch(sub.recv_multipart()[2]))
+    sub.close()
+    assert seen and seen[-1].events == [AllBlocksCleared()] and seen[-1].engine_id == engine_id
+    # A restarted engine is a new engine id whose cache starts empty.
+    with run_server(args, tmp_path / "again") as s:
+        (_, first), *_ = replay(f"tcp://127.0.0.1:{port + 1}", 0)
+        assert first.events == [AllBlocksCleared()] and first.engine_id != engine_id

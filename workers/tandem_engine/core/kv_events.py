@@ -1,0 +1,156 @@
+"""KV-cache events: what an engine's prefix cache gains and loses, published for routers.
+
+The messages have vLLM's shape (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, batched per engine
+step) so that a router can keep an exact index of which engine holds which block hash. The wire (see
+docs/contracts.md, "KV events"):
+
+- PUB socket, one multipart message per batch: `[topic, seq, payload]`; `seq` is an 8-byte big-endian
+  counter starting at 0, `payload` a msgpack `KVEventBatch`.
+- ROUTER replay socket: a DEALER/REQ client sends `[b"", seq]`; the engine answers every buffered batch
+  from that sequence number on as `[b"", seq, payload]`, then `[b"", END_SEQ, b""]`.
+
+A subscriber that sees a gap in `seq` asks the replay socket for the missing batches; a new `engine_id`
+(it carries a boot nonce) means the engine restarted with an empty cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class BlockStored(msgspec.Struct, tag=True, array_like=True):
+    """Full blocks newly registered in the prefix cache, a chain: each hash's parent is the one
+    before it, the first one's is `parent_block_hash` (None at the start of a prompt)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+
+
+class BlockRemoved(msgspec.Struct, tag=True, array_like=True):
+    """Blocks evicted from the prefix cache (their slots were reused)."""
+
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True):
+    """The whole prefix cache is gone (an engine that starts or stops)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True):
+    ts: float  # time.time() when the step's events were taken
+    engine_id: str  # host, DP rank and boot nonce: a restart changes it
+    events: list[KVEvent]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    return _decoder.decode(payload)
+
+
+class KVEventPublisher:
+    """Publishes batches from the engine loop without blocking it: a thread owns both sockets, keeps
+    the last `buffer_steps` batches for replay and answers replay requests."""
+
+    def __init__(self, pub_endpoint: str, replay_endpoint: str, buffer_steps: int, topic: str = "kv-events") -> None:
+        self.topic = topic.encode()
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.bind(pub_endpoint)
+        self._replay = self._ctx.socket(zmq.ROUTER)
+        self._replay.bind(replay_endpoint)
+        self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self._queue.put(batch)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the thread and close the sockets."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        while True:
+            try:
+                batch = self._queue.get(timeout=0.01)
+            except queue.Empty:
+                batch = None
+                stop = False
+            else:
+                stop = batch is None
+            if batch is not None:
+                self._send(batch)
+            for sock, _ in poller.poll(0):
+                self._answer_replay(sock)
+            if stop:
+                return
+
+    def _send(self, batch: KVEventBatch) -> None:
+        payload = _encoder.encode(batch)
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def _answer_replay(self, sock: zmq.Socket[bytes]) -> None:
+        frames = sock.recv_multipart()
+        identity, start = frames[0], frames[-1]
+        if len(start) != 8:
+            logger.warning("kv-events replay: a request of %d bytes is not a sequence number", len(start))
+            sock.send_multipart([identity, b"", END_SEQ, b""])
+            return
+        first = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= first:
+                sock.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        sock.send_multipart([identity, b"", END_SEQ, b""])
+
+
+def replay(endpoint: str, start_seq: int, timeout_s: float = 5.0) -> list[tuple[int, KVEventBatch]]:
+    """Fetch the buffered batches from `start_seq` on from an engine's replay socket (a client's side;
+    the router has its own copy of these messages)."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        out: list[tuple[int, KVEventBatch]] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                raise TimeoutError(f"kv-events replay from {endpoint}: no end marker in {timeout_s}s")
+            _, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            out.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+    finally:
+        sock.close()
