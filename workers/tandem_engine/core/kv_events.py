@@ -93,7 +93,7 @@ class KVEventPublisher:
         """Send what is queued, then stop the thread and close the sockets."""
         self._queue.put(None)
         self._thread.join(timeout)
-        self._ctx.destroy(linger=0)
+        self._ctx.destroy(linger=500)  # let the last batch (AllBlocksCleared on a stop) leave
 
     def _run(self) -> None:
         poller = zmq.Poller()
