@@ -231,6 +231,16 @@ def test_side_channel_answers_debug_and_refuses_what_it_cannot_read() -> None:
         sock.send(msgspec.msgpack.encode({"op": "debug"}))
         assert isinstance(reply_decoder.decode(sock.recv()), ErrorReply)
         sock.close()
+        # A stray DEALER without the empty delimiter (e.g. a dead engine's socket reconnecting to a
+        # reused port) is dropped, and the side channel keeps answering.
+        stray = zmq.Context.instance().socket(zmq.DEALER)
+        stray.setsockopt(zmq.LINGER, 0)
+        stray.connect(address)
+        stray.send(b"not a call")
+        stray.send_multipart([b"x", b"y", b"z"])
+        assert not stray.poll(300)
+        stray.close()
+        assert side_channel.call(address, Debug(), DebugView) == view
         # The debugging command in the module's docstring.
         workers = Path(__file__).resolve().parents[3] / "workers"
         cli = subprocess.run([sys.executable, "-m", "tandem_engine.kv_transfer.side_channel", address],

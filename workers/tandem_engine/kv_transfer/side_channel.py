@@ -101,7 +101,13 @@ class SideChannelServer:
         while not self._stop.is_set():
             if not poller.poll(_POLL_MS):
                 continue
-            ident, empty, payload = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                # Not a REQ/DEALER call of ours: e.g. a stray socket of a dead process reconnecting to
+                # a port this engine now owns. Drop it; the thread must outlive any peer.
+                logger.warning("[handshake] dropped a side-channel message of %d frames", len(frames))
+                continue
+            ident, empty, payload = frames
             try:
                 reply = self._handle(request_decoder.decode(payload))
             except Exception as e:  # a malformed message fails that call only
