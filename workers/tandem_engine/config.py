@@ -71,6 +71,18 @@ class EngineConfig:
     # Start-up
     ready_timeout_s: float = 600.0
 
+    def kv_events_ports(self, rank: int) -> tuple[int, int]:
+        """The PUB and replay ports of data-parallel rank `rank` (kv_events_port must be set)."""
+        port = self.kv_events_port + 2 * rank
+        return port, port + 1
+
+    def kv_events_info(self) -> dict[str, object]:
+        """What `GET /kv_events` answers: where each EngineCore publishes (docs/contracts.md, "KV events")."""
+        publishers = [] if not self.kv_events_port else [
+            {"rank": r, "host": self.kv_events_host, "port": p, "replay_port": rp}
+            for r in range(self.data_parallel_size) for p, rp in [self.kv_events_ports(r)]]
+        return {"block_size": self.block_size, "publishers": publishers}
+
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model

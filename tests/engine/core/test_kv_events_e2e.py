@@ -35,6 +35,9 @@ def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> N
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
     with run_server(args, tmp_path) as s:
+        # Routers find the sockets through the HTTP port.
+        assert httpx.get(s.url + "/kv_events", timeout=10).json() == {"block_size": BS, "publishers": [
+            {"rank": 0, "host": "127.0.0.1", "port": port, "replay_port": port + 1}]}
         tokens = httpx.post(s.url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=30).json()["tokens"]
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
         assert httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code == 200

@@ -24,6 +24,8 @@ async def test_models_health_metrics(client: httpx.AsyncClient, engine: ToyEngin
     assert metrics.status_code == 200
     assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert 'vllm:request_success_total{model_name="toy-model"} 3.0' in metrics.text
+    # An engine without KV events tells routers so (a real one's answer: tests/engine/core/test_kv_events_e2e.py).
+    assert (await client.get("/kv_events")).json() == {"block_size": None, "publishers": []}
 
 
 async def test_tokenize_detokenize(client: httpx.AsyncClient) -> None:

@@ -49,8 +49,8 @@ class EngineCore:
             self.runner.register_kv_connector(self.kv_worker)
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_port:
-            port, host = config.kv_events_port + 2 * engine_index, config.kv_events_host
-            self.kv_events = KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}",
+            (port, replay_port), host = config.kv_events_ports(engine_index), config.kv_events_host
+            self.kv_events = KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}",
                                               config.kv_events_buffer_steps)
             self._publish([AllBlocksCleared()])  # a new engine id starts from an empty cache
         self.scheduler = Scheduler(

@@ -7,7 +7,10 @@ docs/contracts.md, "KV events"):
 - PUB socket, one multipart message per batch: `[topic, seq, payload]`; `seq` is an 8-byte big-endian
   counter starting at 0, `payload` a msgpack `KVEventBatch`.
 - ROUTER replay socket: a DEALER/REQ client sends `[b"", seq]`; the engine answers every buffered batch
-  from that sequence number on as `[b"", seq, payload]`, then `[b"", END_SEQ, b""]`.
+  from that sequence number on as `[b"", seq, payload]`, then `[b"", END_SEQ, b""]`. When batches from
+  `seq` on have already left the buffer, it answers one snapshot instead: a batch numbered like the last
+  one published, holding `AllBlocksCleared` and one `BlockStored` with every block hash the cache holds
+  (not a chain: no parent, no token ids), so a subscriber of any age can rebuild the exact state.
 
 A subscriber that sees a gap in `seq` asks the replay socket for the missing batches; a new `engine_id`
 (it carries a boot nonce) means the engine restarted with an empty cache.
@@ -83,6 +86,10 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
         self._seq = 0
+        # What the published events say the cache holds, for snapshots (insertion-ordered set).
+        self._held: dict[int, None] = {}
+        self._engine_id = ""
+        self._block_size = 0
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -119,6 +126,25 @@ class KVEventPublisher:
         self._seq += 1
         self._buffer.append((seq, payload))
         self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        self._track(batch)
+
+    def _track(self, batch: KVEventBatch) -> None:
+        self._engine_id = batch.engine_id
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._block_size = ev.block_size
+                self._held.update(dict.fromkeys(ev.block_hashes))
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self._held.pop(h, None)
+            else:
+                self._held.clear()
+
+    def _snapshot(self) -> bytes:
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if self._held:
+            events.append(BlockStored(list(self._held), None, [], self._block_size))
+        return _encoder.encode(KVEventBatch(time.time(), self._engine_id, events))
 
     def _answer_replay(self, sock: zmq.Socket[bytes]) -> None:
         frames = sock.recv_multipart()
@@ -128,9 +154,13 @@ class KVEventPublisher:
             sock.send_multipart([identity, b"", END_SEQ, b""])
             return
         first = int.from_bytes(start, "big")
-        for seq, payload in self._buffer:
-            if seq >= first:
-                sock.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        if self._buffer and first < self._buffer[0][0]:  # part of what was asked for is gone
+            last = self._seq - 1
+            sock.send_multipart([identity, b"", last.to_bytes(8, "big"), self._snapshot()])
+        else:
+            for seq, payload in self._buffer:
+                if seq >= first:
+                    sock.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
         sock.send_multipart([identity, b"", END_SEQ, b""])
 
 

@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistry) -> FastAPI:
+def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistry,
+              kv_events: dict[str, object] | None = None) -> FastAPI:
+    """`kv_events`: what `GET /kv_events` tells routers (EngineConfig.kv_events_info); none: not published."""
     app = FastAPI(title="tandem engine", docs_url=None, redoc_url=None, openapi_url=None)
     completions = CompletionServing(engine)
     chat = ChatServing(engine)
@@ -65,6 +67,10 @@ def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistr
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(prometheus_client.generate_latest(registry), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/kv_events")
+    async def kv_events_info() -> Response:
+        return JSONResponse(kv_events or {"block_size": None, "publishers": []})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

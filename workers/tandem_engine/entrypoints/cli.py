@@ -135,7 +135,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     except EngineStartupError as e:
         logger.error("[startup] %s", e)
         return 1
-    app = build_app(engine, engine.metrics.registry)
+    app = build_app(engine, engine.metrics.registry, config.kv_events_info())
     server = server_class(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          timeout_graceful_shutdown=30, access_log=False))
     exit_code = 0
