@@ -2,10 +2,14 @@ from __future__ import annotations
 
 from tandem_router.hashing import HashRing, block_hashes, hash64
 from tandem_router.policies import (
+    NO_PREFIX,
+    BoundedPrefix,
     LeastLoad,
     PrefixAware,
+    PrefixView,
     RoundRobin,
     RoutingRequest,
+    ScoreWeights,
     SessionAffinity,
     load_bound,
 )
@@ -19,6 +23,12 @@ def eps(n: int) -> list[Endpoint]:
 
 def req(text: str = "", session: str | None = None) -> RoutingRequest:
     return RoutingRequest(block_hashes(text, 8, 64), len(text) // 4, 10, session)
+
+
+def view(idx: PrefixIndex, r: RoutingRequest) -> PrefixView:
+    """What Router.prefix_view gives a policy from the approximate index (8-character blocks: 2 tokens)."""
+    sizes = {f"http://e{i}": idx.size(f"http://e{i}") for i in range(10)}
+    return PrefixView(idx.match(r.block_hashes), 2.0, len(r.block_hashes), False, sizes)
 
 
 def test_block_hashes_are_chained_deterministic_and_ignore_the_partial_tail() -> None:
@@ -65,8 +75,7 @@ def test_prefix_index_matches_leading_blocks_and_evicts_lru() -> None:
 def test_round_robin_cycles() -> None:
     e = eps(3)
     rr = RoundRobin()
-    idx = PrefixIndex(10)
-    assert [rr.choose(e, req(), idx).endpoint.url for _ in range(4)] == [
+    assert [rr.choose(e, req(), NO_PREFIX).endpoint.url for _ in range(4)] == [
         "http://e0",
         "http://e1",
         "http://e2",
@@ -80,12 +89,12 @@ def test_least_load_counts_requests_then_tokens() -> None:
     e[1].acquire(500)
     e[2].acquire(20)
     ll = LeastLoad()
-    assert ll.choose(e, req(), PrefixIndex(10)).endpoint is e[0]
+    assert ll.choose(e, req(), NO_PREFIX).endpoint is e[0]
     e[0].acquire(1)
-    assert ll.choose(e, req(), PrefixIndex(10)).endpoint is e[2]
+    assert ll.choose(e, req(), NO_PREFIX).endpoint is e[2]
     e[0].release(1)
     e[0].release(10)
-    assert ll.choose(e, req(), PrefixIndex(10)).endpoint is e[0]
+    assert ll.choose(e, req(), NO_PREFIX).endpoint is e[0]
 
 
 def test_load_bound_counts_the_new_request() -> None:
@@ -103,68 +112,145 @@ def test_load_bound_counts_the_new_request() -> None:
     assert load_bound(many, 1.25) == 6  # mean 5.1: 25% slack
 
 
-def test_prefix_aware_follows_the_longest_prefix_until_the_load_bound() -> None:
+def test_bounded_prefix_follows_the_longest_prefix_until_the_load_bound() -> None:
     e = eps(2)
     idx = PrefixIndex(1000)
-    pa = PrefixAware(load_factor=1.25, cold_key_blocks=2)
+    pa = BoundedPrefix(load_factor=1.25, cold_key_blocks=2)
     r = req("system prompt " * 10 + "question one")
-    first = pa.choose(e, r, idx)
+    first = pa.choose(e, r, view(idx, r))
     assert first.reason == "cold_hash"
     idx.insert(first.endpoint.url, r.block_hashes)
     other = e[1] if first.endpoint is e[0] else e[0]
     follow = req("system prompt " * 10 + "question one, then more text")
-    d = pa.choose(e, follow, idx)
+    d = pa.choose(e, follow, view(idx, follow))
     assert (d.endpoint, d.reason) == (first.endpoint, "prefix_hit")
     assert d.matched_blocks == len(r.block_hashes)
     # The hot endpoint holds a request, the other none: the bound (mean 1) is reached.
     first.endpoint.acquire(1)
-    d = pa.choose(e, follow, idx)
+    d = pa.choose(e, follow, view(idx, follow))
     assert (d.endpoint, d.reason) == (other, "overflow")
     other.acquire(1)
-    d = pa.choose(e, follow, idx)
+    d = pa.choose(e, follow, view(idx, follow))
     assert (d.endpoint, d.reason) == (first.endpoint, "prefix_hit")
 
 
-def test_prefix_aware_places_cold_prefixes_by_ring_consistently() -> None:
+def test_bounded_prefix_places_cold_prefixes_by_ring_consistently() -> None:
     idx = PrefixIndex(1000)
     prompts = [f"group {g} " * 20 for g in range(40)]
-    a = [PrefixAware().choose(eps(4), req(p), idx).endpoint.url for p in prompts]
-    b = [PrefixAware().choose(list(reversed(eps(4))), req(p), idx).endpoint.url for p in prompts]
+    a = [BoundedPrefix().choose(eps(4), req(p), view(idx, req(p))).endpoint.url for p in prompts]
+    b = [BoundedPrefix().choose(list(reversed(eps(4))), req(p), view(idx, req(p))).endpoint.url for p in prompts]
     assert a == b
     assert len(set(a)) == 4  # spread over the pool
     # Same leading blocks (the key covers the first 8 blocks), different tails: same endpoint.
-    x = PrefixAware().choose(eps(4), req("shared " * 80 + "tail one"), idx).endpoint
-    y = PrefixAware().choose(eps(4), req("shared " * 80 + "tail two, longer"), idx).endpoint
+    x, y = (req("shared " * 80 + "tail one"), req("shared " * 80 + "tail two, longer"))
+    x = BoundedPrefix().choose(eps(4), x, view(idx, x)).endpoint
+    y = BoundedPrefix().choose(eps(4), y, view(idx, y)).endpoint
     assert x.url == y.url
 
 
-def test_prefix_aware_cold_placement_is_bounded_by_cache_footprint() -> None:
+def test_bounded_prefix_cold_placement_is_bounded_by_cache_footprint() -> None:
     e = eps(2)
     idx = PrefixIndex(10_000)
     prompts = [f"tenant {i} " * 60 for i in range(50)]
-    to_e0 = [p for p in prompts if PrefixAware().choose(e, req(p), PrefixIndex(10)).endpoint is e[0]]
+    to_e0 = [p for p in prompts if BoundedPrefix().choose(e, req(p), view(PrefixIndex(10), req(p))).endpoint is e[0]]
     assert len(to_e0) > 5
     # e0 already holds a lot (other prefixes): new prefixes whose ring place is e0 go to e1 instead ...
     idx.insert(e[0].url, list(range(1000)))
-    d = PrefixAware().choose(e, req(to_e0[0]), idx)
+    d = BoundedPrefix().choose(e, req(to_e0[0]), view(idx, req(to_e0[0])))
     assert (d.endpoint, d.reason) == (e[1], "cold_hash")
     # ... until the footprints are within the load factor again.
     idx.insert(e[1].url, list(range(1000, 1900)))
-    assert PrefixAware().choose(e, req(to_e0[0]), idx).endpoint is e[0]
+    assert BoundedPrefix().choose(e, req(to_e0[0]), view(idx, req(to_e0[0]))).endpoint is e[0]
 
 
-def test_prefix_aware_short_prompt_uses_least_load() -> None:
+def test_bounded_prefix_short_prompt_uses_least_load() -> None:
     e = eps(2)
     e[0].acquire(1)
-    d = PrefixAware().choose(e, req("hi"), PrefixIndex(10))
+    d = BoundedPrefix().choose(e, req("hi"), view(PrefixIndex(10), req("hi")))
     assert (d.endpoint, d.reason) == (e[1], "least_load")
+
+
+SYSTEM = "You are a careful assistant for the harbour office. " * 8  # 36 blocks of 8 characters
+
+
+def exact(matches: dict[str, int], r: RoutingRequest) -> PrefixView:
+    """An exact view (KV events) with 16-token blocks; `r.prompt_tokens` tokens in the prompt."""
+    return PrefixView(matches, 16, r.prompt_tokens // 16, True)
+
+
+def test_prefix_aware_keeps_the_hit_that_the_load_bound_gave_away() -> None:
+    """The reported failure: two engines, requests overlapping. With 2 in flight on the engine holding
+    the conversation and none on the other, the bounded policy spills; the scored one stays."""
+    e = eps(2)
+    r = RoutingRequest(block_hashes(SYSTEM + "turn 3", 8, 64), 160, 10)
+    held = exact({e[0].url: 9}, r)  # 144 of 160 tokens cached on e0
+    e[0].acquire(1)
+    e[0].acquire(1)
+    assert BoundedPrefix().choose(e, r, held).endpoint is e[1]
+    d = PrefixAware().choose(e, r, held)
+    assert (d.endpoint, d.reason, d.matched_blocks) == (e[0], "prefix_hit", 9)
+
+
+def test_prefix_aware_spills_when_the_queue_outweighs_the_hit() -> None:
+    e = eps(2)
+    r = RoutingRequest(block_hashes(SYSTEM, 8, 64), 160, 10)
+    held = exact({e[0].url: 9}, r)
+    for _ in range(10):  # 3 * 0.9 = 2.7 > 10 / 4: still worth waiting for
+        e[0].acquire(1)
+    assert PrefixAware().choose(e, r, held).endpoint is e[0]
+    for _ in range(2):  # 2.7 < 12 / 4: the idle engine's full prefill is the better bet
+        e[0].acquire(1)
+    d = PrefixAware().choose(e, r, held)
+    assert (d.endpoint, d.reason) == (e[1], "overflow")
+    # The engine's own count (other routers' requests) weighs the same as this router's.
+    f = eps(2)
+    f[0].engine_queue = 12
+    assert PrefixAware().choose(f, r, exact({f[0].url: 9}, r)).endpoint is f[1]
+    # A heavier prefix weight keeps it.
+    assert PrefixAware(ScoreWeights(prefix=20.0)).choose(e, r, held).endpoint is e[0]
+
+
+def test_prefix_aware_prefers_the_engine_with_free_kv_cache_among_equal_hits() -> None:
+    e = eps(3)
+    r = RoutingRequest(block_hashes(SYSTEM, 8, 64), 160, 10)
+    both = exact({e[0].url: 9, e[1].url: 9}, r)
+    e[0].kv_usage, e[1].kv_usage = 0.9, 0.2
+    assert PrefixAware().choose(e, r, both).endpoint is e[1]
+
+
+def test_prefix_aware_ties_and_cold_prompts_follow_the_ring_so_replicas_agree() -> None:
+    prompts = [f"conversation {g}: " * 12 for g in range(40)]
+    reqs = [RoutingRequest(block_hashes(p, 8, 64), 60, 10) for p in prompts]
+    a = [PrefixAware().choose(eps(4), r, NO_PREFIX) for r in reqs]
+    b = [PrefixAware().choose(list(reversed(eps(4))), r, NO_PREFIX) for r in reqs]
+    assert [d.endpoint.url for d in a] == [d.endpoint.url for d in b]
+    assert {d.reason for d in a} == {"cold_hash"} and len({d.endpoint.url for d in a}) == 4
+    # Equal hits on every engine (a shared system prompt everywhere): the ring decides, not the order.
+    r = reqs[0]
+    everywhere = exact({f"http://e{i}": 2 for i in range(4)}, r)
+    picks = {PrefixAware().choose(c, r, everywhere).endpoint.url for c in (eps(4), list(reversed(eps(4))))}
+    assert picks == {a[0].endpoint.url}
+
+
+def test_prefix_aware_cold_prompt_skips_a_busy_ring_place() -> None:
+    e = eps(2)
+    r = RoutingRequest(block_hashes("a brand new conversation " * 4, 8, 64), 25, 10)
+    owner = PrefixAware().choose(e, r, NO_PREFIX).endpoint
+    other = e[1] if owner is e[0] else e[0]
+    for _ in range(2):  # within the slack (2): still the ring's choice
+        owner.acquire(1)
+    assert PrefixAware().choose(e, r, NO_PREFIX).endpoint is owner
+    owner.acquire(1)
+    assert PrefixAware().choose(e, r, NO_PREFIX).endpoint is other
+    # A prefix cached below the useful fraction counts as cold too.
+    tiny = exact({other.url: 0}, r)
+    assert PrefixAware().choose(e, r, tiny).reason == "cold_hash"
 
 
 def test_session_affinity_sticks_and_spreads() -> None:
     e = eps(3)
     sa = SessionAffinity()
-    idx = PrefixIndex(10)
-    picks = {s: sa.choose(e, req(session=s), idx).endpoint.url for s in (f"user-{i}" for i in range(30))}
+    picks = {s: sa.choose(e, req(session=s), NO_PREFIX).endpoint.url for s in (f"user-{i}" for i in range(30))}
     assert len(set(picks.values())) == 3
-    assert all(sa.choose(e, req(session=s), idx).endpoint.url == u for s, u in picks.items())
-    assert sa.choose(e, req(), idx).reason == "least_load"
+    assert all(sa.choose(e, req(session=s), NO_PREFIX).endpoint.url == u for s, u in picks.items())
+    assert sa.choose(e, req(), NO_PREFIX).reason == "least_load"

@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.load_factor,
         help="bounded load: an endpoint takes at most this times the mean in-flight requests",
     )
+    score = p.add_argument_group("prefix-aware scoring (docs/operations.md, Routing)")
+    score.add_argument("--prefix-weight", type=float, default=d.prefix_weight,
+                       help="score per unit of the prompt's cached fraction on a candidate")
+    score.add_argument("--queue-weight", type=float, default=d.queue_weight,
+                       help="score lost per 4 requests queued beyond the least loaded candidate")
+    score.add_argument("--kv-usage-weight", type=float, default=d.kv_usage_weight,
+                       help="score lost per unit of the engine's KV-cache usage (from its /metrics)")
+    score.add_argument("--min-prefix-fraction", type=float, default=d.min_prefix_fraction,
+                       help="a prompt cached less than this anywhere is cold: consistent-hash placement")
+    score.add_argument("--cold-queue-slack", type=int, default=d.cold_queue_slack,
+                       help="a cold prompt skips its ring place when that is this many requests above the least loaded")
+    score.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=d.kv_events,
+                       help="follow engines' KV events into an exact index (else: what the router sent)")
     p.add_argument("--block-chars", type=int, default=d.block_chars)
     p.add_argument("--index-capacity-blocks", type=int, default=d.index_capacity_blocks)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)

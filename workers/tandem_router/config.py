@@ -27,8 +27,15 @@ class RouterConfig:
     block_chars: int = 64  # prefix-index block: ~16 tokens
     max_blocks: int = 256
     index_capacity_blocks: int = 32768  # per endpoint
-    load_factor: float = 1.25
+    load_factor: float = 1.25  # bounded-prefix and session-affinity
     cold_key_blocks: int = 8
+    # prefix-aware scoring (policies.ScoreWeights; docs/operations.md, "Routing")
+    prefix_weight: float = 3.0
+    queue_weight: float = 1.0
+    kv_usage_weight: float = 1.0
+    min_prefix_fraction: float = 0.1
+    cold_queue_slack: int = 2
+    kv_events: bool = True  # follow engines' KV events into the exact index when they publish them
     max_attempts: int = 3  # tries per request, on different endpoints, before the first byte only
     connect_timeout: float = 3.0
     read_timeout: float = 120.0  # longest silence from an upstream, headers or body

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_router.pool import Endpoint, Pool
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
+ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
 class HealthChecker:
@@ -75,8 +77,25 @@ class HealthChecker:
             reason = f"/health failed: {type(e).__name__}"
         if ok:
             pool.admit(ep)
+            if self.router.scrapes_engine_load:
+                await self.scrape_load(ep)
         else:
             ep.consecutive_failures += 1
             if ep.consecutive_failures >= cfg.health_failures:
                 pool.eject(ep, reason)
         return ok
+
+    async def scrape_load(self, ep: Endpoint) -> None:
+        """The engine's own queue and KV usage, for the prefix-aware policy's score (stale when it fails)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.router.config.health_timeout)
+            async with self.router.session.get(ep.url + "/metrics", timeout=timeout) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
+            return
+        samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name in ENGINE_LOAD_METRICS}
+        if "vllm:num_requests_running" in samples:
+            ep.engine_queue = int(samples["vllm:num_requests_running"] + samples.get("vllm:num_requests_waiting", 0))
+        if "vllm:kv_cache_usage_perc" in samples:
+            ep.kv_usage = samples["vllm:kv_cache_usage_perc"]

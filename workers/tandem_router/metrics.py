@@ -53,8 +53,20 @@ class RouterMetrics:
         )
         self.prefix_hit_ratio = histogram(
             "tandem:router_prefix_match_ratio", ("role",),
-            "Share of the prompt's blocks the index places on the chosen endpoint",
+            "Share of the prompt's tokens the index places on the chosen endpoint",
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+        )
+        self.prefix_lookups = counter(
+            "tandem:router_prefix_index_lookups_total", ("role", "index"),
+            "Routing decisions that read a prefix index: exact (engines' KV events) or approximate",
+        )
+        # The exact index (KV events).
+        self.kv_index_resyncs = counter(
+            "tandem:router_kv_index_resyncs_total", ("endpoint", "reason"),
+            "Times an engine's KV events had to be caught up again: gap, restart or error",
+        )
+        self.kv_index_blocks = Gauge(
+            "tandem:router_kv_index_blocks", "Block hashes in the exact KV index, over every engine", registry=r,
         )
         # How long they took.
         self.ttft = histogram("tandem:router_time_to_first_token_seconds", ("endpoint",),

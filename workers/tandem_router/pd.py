@@ -1,7 +1,9 @@
 """The prefill -> decode flow (docs/architecture.md, "The P/D request flow"), decided per request.
 
-The decode endpoint is picked first, so the router knows how much of the prompt that endpoint already
-holds. When the uncached part is short (at most `remote_prefill_threshold` tokens), or no prefill
+The decode endpoint is picked first (by the decode policy: with prefix-aware, a conversation's next
+turn goes where its KV already is), so the router knows how much of the prompt that endpoint already
+holds, exactly when the engines publish KV events.
+When the uncached part is short (at most `remote_prefill_threshold` tokens), or no prefill
 endpoint is healthy, or the request asks for several sequences (`n`, `best_of`, a batch of prompts),
 decode prefills locally. Otherwise a prefill endpoint computes the prompt with
 `max_tokens=1` and returns `kv_transfer_params`, which go to decode with the original request. A prefill
@@ -18,7 +20,6 @@ from typing import TYPE_CHECKING
 import aiohttp
 import msgspec
 
-from tandem_router.hashing import CHARS_PER_TOKEN
 from tandem_router.policies import RoutingRequest
 from tandem_router.proxy import NoEndpoint, Upstream, open_upstream
 from tandem_router.request import ParsedRequest, PrefillAnswer, RemotePrefillParams, decode_body, prefill_body
@@ -92,7 +93,8 @@ async def open_pd(
     if not candidates:
         raise NoEndpoint("no healthy decode endpoint")
     d = router.choose(decode, candidates, rreq)
-    cached_tokens = d.matched_blocks * router.config.block_chars // CHARS_PER_TOKEN
+    # Exact when the decode engines publish KV events and the prompt was tokenized; else an estimate.
+    cached_tokens = d.view.cached_tokens(d.endpoint.url) if d.view is not None else 0
     uncached = max(0, rreq.prompt_tokens - cached_tokens)
     metrics = router.metrics
     if not req.one_sequence:  # n, best_of or a batch of prompts: KV from one prefill serves none of them

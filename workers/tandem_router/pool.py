@@ -30,6 +30,9 @@ class Endpoint:
     served: int = 0
     ejections: int = 0
     last_error: str | None = field(default=None, repr=False)
+    # From the engine's /metrics, when the router scrapes them (health.py): None until then.
+    engine_queue: int | None = None  # vllm:num_requests_running + vllm:num_requests_waiting
+    kv_usage: float | None = None  # vllm:kv_cache_usage_perc, 0-1
 
     def acquire(self, tokens: int) -> None:
         self.in_flight_requests += 1

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
 
 from tandem_router.config import RouterConfig
 from tandem_router.discovery import Discovery, make_discovery
+from tandem_router.hashing import CHARS_PER_TOKEN
 from tandem_router.health import HealthChecker
+from tandem_router.kv_index import KVIndex, KVIndexFeed
 from tandem_router.metrics import RouterMetrics
-from tandem_router.policies import Decision, Policy, PrefixAware, RoutingRequest, make_policy
+from tandem_router.policies import (
+    BoundedPrefix,
+    Decision,
+    Policy,
+    PrefixAware,
+    PrefixView,
+    RoutingRequest,
+    ScoreWeights,
+    make_policy,
+)
 from tandem_router.pool import Endpoint, Pool, PoolKind
 
 logger = logging.getLogger(__name__)
@@ -22,13 +34,22 @@ class Router:
         self.metrics = RouterMetrics()
         self.decode = Pool(PoolKind.DECODE, config.index_capacity_blocks)
         self.prefill = Pool(PoolKind.PREFILL, config.index_capacity_blocks)
+        weights = ScoreWeights(config.prefix_weight, config.queue_weight, config.kv_usage_weight,
+                               config.min_prefix_fraction, config.cold_queue_slack)
         self.policies: dict[PoolKind, Policy] = {
-            PoolKind.DECODE: make_policy(config.decode_policy, config.load_factor, config.cold_key_blocks),
-            PoolKind.PREFILL: make_policy(config.prefill_policy, config.load_factor, config.cold_key_blocks),
+            role: make_policy(name, config.load_factor, config.cold_key_blocks, weights)
+            for role, name in ((PoolKind.DECODE, config.decode_policy), (PoolKind.PREFILL, config.prefill_policy))
         }
         # Whether anything reads prompt block hashes: a prefix-aware pool or the P/D decider.
         may_disaggregate = bool(config.prefill_urls or config.prefill_selector)
-        self.uses_prefix_index = may_disaggregate or any(isinstance(p, PrefixAware) for p in self.policies.values())
+        prefix_policies = (PrefixAware, BoundedPrefix)
+        self.uses_prefix_index = may_disaggregate or any(isinstance(p, prefix_policies) for p in self.policies.values())
+        self.scrapes_engine_load = any(isinstance(p, PrefixAware) for p in self.policies.values())
+        # The exact index, fed by every engine's KV events (docs/architecture.md, "Routing").
+        self.kv_index = KVIndex()
+        self.kv_feed = KVIndexFeed(self.kv_index, self._on_kv_resync)
+        self.follows_kv_events = self.uses_prefix_index and config.kv_events
+        self.metrics.kv_index_blocks.set_function(self.kv_index.size)
         for pool in (self.decode, self.prefill):
             pool.listeners.append(self._on_health_change)
         self.health = HealthChecker(self)
@@ -71,24 +92,37 @@ class Router:
     async def stop(self) -> None:
         await self.health.stop()
         await self.discovery.stop()
+        await self.kv_feed.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
         logger.info("[shutdown] router stopped")
 
+    def prefix_view(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest) -> PrefixView:
+        """The exact index's view when the request was tokenized and every candidate publishes KV
+        events and is caught up; else the router's record of what it sent (approximate)."""
+        hashes = rreq.kv_hashes
+        block_size = self.kv_index.block_size
+        if hashes is not None and block_size and all(self.kv_feed.covers(e.url) for e in candidates):
+            sizes = {e.url: self.kv_index.size(e.url) for e in candidates}
+            return PrefixView(self.kv_index.match(hashes), block_size, len(hashes), True, sizes)
+        if not rreq.block_hashes:
+            return PrefixView({}, 1.0, 0, False)
+        sizes = {e.url: pool.index.size(e.url) for e in candidates}
+        return PrefixView(pool.index.match(rreq.block_hashes), self.config.block_chars / CHARS_PER_TOKEN,
+                          len(rreq.block_hashes), False, sizes)
+
     def choose(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest) -> Decision:
         policy = self.policies[pool.role]
-        d = policy.choose(candidates, rreq, pool.index)
+        view = self.prefix_view(pool, candidates, rreq)
+        d = policy.choose(candidates, rreq, view)
         role = pool.role.value
         self.metrics.routing_decisions.labels(role, policy.name, d.endpoint.url, d.reason).inc()
-        if rreq.block_hashes:
-            matched = (
-                d.matches.get(d.endpoint.url, 0)
-                if d.matches
-                else pool.index.match(rreq.block_hashes).get(d.endpoint.url, 0)
-            )
-            d.matched_blocks = matched
-            self.metrics.prefix_hit_ratio.labels(role).observe(matched / len(rreq.block_hashes))
+        d.view = view
+        if view.num_blocks:
+            self.metrics.prefix_lookups.labels(role, "exact" if view.exact else "approximate").inc()
+            d.matched_blocks = view.matches.get(d.endpoint.url, 0)
+            self.metrics.prefix_hit_ratio.labels(role).observe(view.cached_fraction(d.endpoint.url, rreq.prompt_tokens))
         return d
 
     def acquire(self, ep: Endpoint, tokens: int) -> None:
@@ -108,3 +142,11 @@ class Router:
         self.metrics.healthy.labels(ep.role.value, ep.url).set(1 if admitted else 0)
         if not admitted:
             self.health.poke()  # new or ejected: check it now rather than at the next interval
+        if self.follows_kv_events and self._session is not None:
+            if admitted:
+                self.kv_feed.attach(self._session, ep.url)
+            elif ep.url not in self.pool(ep.role).endpoints:  # gone, not just ejected: its events stop
+                asyncio.get_running_loop().create_task(self.kv_feed.detach(ep.url))
+
+    def _on_kv_resync(self, url: str, reason: str) -> None:
+        self.metrics.kv_index_resyncs.labels(url, reason).inc()

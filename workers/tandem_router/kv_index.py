@@ -1,0 +1,164 @@
+"""The exact index of which engine holds which KV block, built from the engines' KV events.
+
+Each publisher (one EngineCore: an engine URL and its data-parallel rank) has the set of block hashes
+its prefix cache holds, kept exactly by applying its `BlockStored`, `BlockRemoved` and
+`AllBlocksCleared` events in order (workers/tandem_router/kv_events.py keeps them in order). A request's
+chain of block hashes matches an engine as far as its leading blocks are all held there, which is
+exactly how far the engine's own prefix-cache lookup gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+import zmq.asyncio
+
+from tandem_router.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventStream,
+    KVEvent,
+    cancel_all,
+    fetch_info,
+    publisher_host,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Publisher:
+    url: str  # the engine's HTTP URL, as the pool knows it
+    rank: int  # data-parallel rank: each has its own cache
+
+    def __str__(self) -> str:
+        return f"{self.url}#dp{self.rank}"
+
+
+class KVIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, set[Publisher]] = {}
+        self._held: dict[Publisher, set[int]] = {}
+        self.block_size: int | None = None  # from the events; every engine behind one router agrees
+
+    def apply(self, pub: Publisher, events: Iterable[KVEvent]) -> None:
+        held = self._held.setdefault(pub, set())
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.block_size = ev.block_size or self.block_size
+                for h in ev.block_hashes:
+                    if h not in held:
+                        held.add(h)
+                        self._holders.setdefault(h, set()).add(pub)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    if h in held:
+                        held.discard(h)
+                        self._forget(h, pub)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear(pub)
+                held = self._held.setdefault(pub, set())
+
+    def clear(self, pub: Publisher) -> None:
+        """Forget everything `pub` held (its engine restarted, went away, or a resync starts over)."""
+        for h in self._held.pop(pub, set()):
+            self._forget(h, pub)
+
+    def drop_engine(self, url: str) -> None:
+        for pub in [p for p in self._held if p.url == url]:
+            self.clear(pub)
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` held per engine URL (the best of its ranks); engines with none omitted."""
+        out: dict[str, int] = {}
+        alive: set[Publisher] | None = None
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders
+            if not alive:
+                break
+            for pub in alive:
+                out[pub.url] = i + 1
+        return out
+
+    def held(self, pub: Publisher) -> frozenset[int]:
+        return frozenset(self._held.get(pub, ()))
+
+    def size(self, url: str | None = None) -> int:
+        """Blocks indexed for one engine (all its ranks), or for every engine."""
+        return sum(len(s) for p, s in self._held.items() if url is None or p.url == url)
+
+    def _forget(self, h: int, pub: Publisher) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(pub)
+            if not holders:
+                del self._holders[h]
+
+
+class KVIndexFeed:
+    """Keeps `index` fed from every engine it is told about: `attach(url)` asks the engine where it
+    publishes (`GET /kv_events`) and follows each publisher; `detach(url)` stops and forgets it."""
+
+    def __init__(self, index: KVIndex, on_resync: Callable[[str, str], None] | None = None) -> None:
+        self.index = index
+        self.on_resync = on_resync
+        self._ctx: zmq.asyncio.Context | None = None
+        self._streams: dict[str, list[EventStream]] = {}
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+
+    def attach(self, session: aiohttp.ClientSession, url: str) -> None:
+        if url not in self._tasks:
+            self._tasks[url] = [asyncio.create_task(self._attach(session, url), name=f"kv-events-info {url}")]
+
+    async def _attach(self, session: aiohttp.ClientSession, url: str) -> None:
+        try:
+            info = await fetch_info(session, url)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # msgspec errors are ValueErrors
+            logger.info("[kv-events] %s tells no KV events (%s); routing to it uses the approximate index", url, e)
+            self._tasks.pop(url, None)  # asked again at its next admission
+            return
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        def resynced(reason: str) -> None:
+            if self.on_resync is not None:
+                self.on_resync(url, reason)
+
+        streams = []
+        for p in info.publishers:
+            host = publisher_host(url, p.host)
+            streams.append(EventStream(Publisher(url, p.rank), f"tcp://{host}:{p.port}",
+                                       f"tcp://{host}:{p.replay_port}", self._apply, resynced))
+        self._streams[url] = streams
+        self._tasks[url] += [asyncio.create_task(s.run(self._ctx), name=f"kv-events {s.key}") for s in streams]
+        logger.info("[kv-events] following %s: %s", url, ", ".join(s.endpoint for s in streams) or "publishes none")
+
+    def _apply(self, pub: Publisher, events: list[KVEvent] | None) -> None:
+        if events is None:
+            self.index.clear(pub)
+        else:
+            self.index.apply(pub, events)
+
+    def covers(self, url: str) -> bool:
+        """The index is exact for this engine: it publishes, and every publisher is caught up."""
+        streams = self._streams.get(url)
+        return bool(streams) and all(s.synced.is_set() for s in streams or ())
+
+    async def detach(self, url: str) -> None:
+        self._streams.pop(url, None)
+        await cancel_all(self._tasks.pop(url, []))
+        self.index.drop_engine(url)
+
+    async def stop(self) -> None:
+        for url in list(self._tasks):
+            await self.detach(url)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
