@@ -2,8 +2,10 @@
 
 Prefill and decode get their flags from one function: everything that must match between the two
 roles (model, dtype, block size, max model length, scheduler limits, side-channel port) comes from
-the same typed fields, and only `--role` differs. The shared settings are also written to the
-engine ConfigMap, whose hash rolls every engine pod when one of them changes.
+the same typed fields, and only `--role` differs. Every engine publishes KV events on all its
+interfaces, so that routers in other pods can subscribe (docs/contracts.md, "KV events"). The shared
+settings are also written to the engine ConfigMap, whose hash rolls every engine pod when one of
+them changes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from typing import Any
 
 from tandem_operator.naming import LABEL_ISVC, Component, engine_components, service_host
+from tandem_operator.ports import EnginePorts
 from tandem_operator.spec import ROUTER_POLICIES, InferenceServiceSpec
 
 MODEL_DIR = "/models"
@@ -56,10 +59,23 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if e.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(e.data_parallel_size)]
     if spec.disaggregated and spec.kv_transfer is not None:
         args += ["--kv-connector", spec.kv_transfer.connector,
                  "--kv-side-channel-port", str(spec.kv_transfer.side_channel_port)]
+    if e.kv_events.port:
+        args += ["--kv-events-port", str(e.kv_events.port), "--kv-events-host", "0.0.0.0"]
+        if e.kv_events.buffer_steps is not None:
+            args += ["--kv-events-buffer-steps", str(e.kv_events.buffer_steps)]
     return args
+
+
+def engine_ports(spec: InferenceServiceSpec) -> EnginePorts:
+    """The ports the engine pods bind (the side channel only where there is KV transfer)."""
+    kv = spec.kv_transfer
+    side_channel = kv.side_channel_port if spec.disaggregated and kv is not None else None
+    return EnginePorts(spec.engine.port, side_channel, spec.engine.kv_events.port, spec.engine.data_parallel_size)
 
 
 def engine_command(spec: InferenceServiceSpec, role: Component) -> list[str]:
@@ -118,6 +134,8 @@ def engine_config(spec: InferenceServiceSpec) -> dict[str, Any]:
             "maxNumSeqs": e.max_num_seqs,
             "maxNumBatchedTokens": e.max_num_batched_tokens,
             "port": e.port,
+            "dataParallelSize": e.data_parallel_size,
+            "kvEvents": {"port": e.kv_events.port, "bufferSteps": e.kv_events.buffer_steps},
             "extraArgs": list(e.extra_args),
         },
         "kvTransfer": None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tandem_operator.args import config_hash, config_json
+from tandem_operator.args import config_hash, config_json, engine_ports
 from tandem_operator.naming import (
     LABEL_ISVC,
     Component,
@@ -30,19 +30,11 @@ def build_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def build_engine_service(spec: InferenceServiceSpec, role: Component) -> dict[str, Any]:
-    """A headless Service per engine role; its EndpointSlices inherit the labels the router selects on."""
-    ports: list[dict[str, Any]] = [
-        {"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}
+    """A headless Service per engine role; its EndpointSlices inherit the labels the router selects on and
+    list every engine port (HTTP, KV side channel, KV events and replay) by name."""
+    ports = [
+        {"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in engine_ports(spec).named()
     ]
-    if spec.disaggregated and spec.kv_transfer is not None:
-        ports.append(
-            {
-                "name": "kv-side",
-                "port": spec.kv_transfer.side_channel_port,
-                "targetPort": "kv-side",
-                "protocol": "TCP",
-            }
-        )
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem_operator.naming import MAX_NAME_LENGTH
+from tandem_operator.ports import MAX_RANKS, EnginePorts
 
 DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem-worker:0.1.0"
 DTYPES = ("auto", "float32", "bfloat16")
@@ -27,6 +28,7 @@ ROUTER_POLICIES = {
     "SessionAffinity": "session-affinity",
 }
 DISCOVERY = ("Kubernetes", "Static")
+DEFAULT_KV_EVENTS_PORT = 5557  # vLLM's
 # Flags the operator renders from typed fields; `engine.extraArgs` must not repeat them, or prefill
 # and decode could be made to disagree on what has to match.
 MANAGED_ENGINE_FLAGS = (
@@ -41,6 +43,10 @@ MANAGED_ENGINE_FLAGS = (
     "--max-num-batched-tokens",
     "--kv-connector",
     "--kv-side-channel-port",
+    "--data-parallel-size",
+    "--kv-events-port",
+    "--kv-events-host",
+    "--kv-events-buffer-steps",
 )
 MODEL_URI = re.compile(
     r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/\s]+|/\S*|[a-z0-9][a-z0-9.-]*)$"
@@ -64,6 +70,12 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class KVEventsSpec:
+    port: int  # 0: the engines publish no KV events
+    buffer_steps: int | None
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     image: str
     image_pull_policy: str
@@ -73,6 +85,8 @@ class EngineSpec:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     port: int
+    data_parallel_size: int
+    kv_events: KVEventsSpec
     extra_args: tuple[str, ...]
     env: tuple[dict[str, Any], ...]
 
@@ -246,8 +260,9 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
 
     if prefill.enabled and kv is None:
         r.problems.append("spec.kvTransfer: a KV connector is required when prefill is enabled")
-    if kv is not None and kv.side_channel_port == engine.port:
-        r.problems.append("spec.kvTransfer.sideChannelPort: must differ from spec.engine.port")
+    r.problems += EnginePorts(
+        engine.port, None if kv is None else kv.side_channel_port, engine.kv_events.port, engine.data_parallel_size
+    ).problems()
     if (
         engine.max_num_seqs is not None
         and engine.max_num_batched_tokens is not None
@@ -308,8 +323,20 @@ def _engine(r: _Reader, raw: dict[str, Any]) -> EngineSpec:
         max_num_seqs=r.integer(raw, "maxNumSeqs", p, None, minimum=1, maximum=4096),
         max_num_batched_tokens=r.integer(raw, "maxNumBatchedTokens", p, None, minimum=1),
         port=r.required_int(raw, "port", p, 8000, minimum=1024, maximum=65535),
+        data_parallel_size=r.required_int(raw, "dataParallelSize", p, 1, minimum=1, maximum=MAX_RANKS),
+        kv_events=_kv_events(r, r.section(raw, "kvEvents", p)),
         extra_args=extra,
         env=tuple(env),
+    )
+
+
+def _kv_events(r: _Reader, raw: dict[str, Any]) -> KVEventsSpec:
+    p = "spec.engine.kvEvents"
+    port = r.required_int(raw, "port", p, DEFAULT_KV_EVENTS_PORT, minimum=0, maximum=65535)
+    if 0 < port < 1024:
+        r.problems.append(f"{p}.port: must be 0 (off) or 1024 to 65535, got {port}")
+    return KVEventsSpec(
+        port=port, buffer_steps=r.integer(raw, "bufferSteps", p, None, minimum=1, maximum=1_000_000)
     )
 
 

@@ -6,7 +6,7 @@ import copy
 import math
 from typing import Any
 
-from tandem_operator.args import MODEL_DIR, engine_command, router_command
+from tandem_operator.args import MODEL_DIR, engine_command, engine_ports, router_command
 from tandem_operator.naming import (
     ANNOTATION_CONFIG_HASH,
     Component,
@@ -258,11 +258,7 @@ def build_engine_deployment(spec: InferenceServiceSpec, role: Component, config_
     """The Deployment of the prefill or decode engines (decode runs `--role both` when colocated)."""
     role_spec: RoleSpec = spec.prefill if role is Component.PREFILL else spec.decode
     volumes, mounts = _engine_volumes(spec)
-    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
-    if spec.disaggregated and spec.kv_transfer is not None:
-        ports.append(
-            {"name": "kv-side", "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"}
-        )
+    ports = [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in engine_ports(spec).named()]
     container = _server_container(
         spec,
         ENGINE_CONTAINER,

@@ -57,6 +57,21 @@ def example(name: str, **overrides: Any) -> dict[str, Any]:
     return body
 
 
+def variant(change: dict[str, Any], name: str = "disaggregated") -> dict[str, Any]:
+    """The example with dotted paths set (`{"spec.engine.port": 9000}`), or removed where the value is None."""
+    obj = example(name)
+    for dotted, value in change.items():
+        *parents, leaf = dotted.split(".")
+        node = obj
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return obj
+
+
 def crd_schema() -> dict[str, Any]:
     crd = load_yaml(CRD_PATH)
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

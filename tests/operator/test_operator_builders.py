@@ -160,6 +160,10 @@ def test_prefill_and_decode_cannot_disagree() -> None:
         "NixlConnector",
         "--kv-side-channel-port",
         "5600",
+        "--kv-events-port",
+        "5557",
+        "--kv-events-host",
+        "0.0.0.0",
     ]
     digest = config_hash(spec)
     p_dep = build_engine_deployment(spec, Component.PREFILL, digest)
@@ -250,7 +254,7 @@ def test_services_and_rbac() -> None:
     spec = parse_spec(body())
     svc = build_engine_service(spec, Component.PREFILL)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
-    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "kv-side"}
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "kv-side", "kv-events", "kv-replay"}
     assert svc["metadata"]["labels"][LABEL_ROLE] == "prefill"  # EndpointSlices inherit these
     role = build_router_role(spec)
     assert role["rules"] == [

@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from crd_utils import admit, all_rules, apply_defaults
-from isvc_utils import CRD_PATH, EXAMPLES, crd_schema, example, load_yaml
+from isvc_utils import CRD_PATH, EXAMPLES, crd_schema, load_yaml, variant
 
 from tandem_operator import GROUP, KIND, PLURAL, VERSION
 from tandem_operator.spec import ROUTER_POLICIES, parse_spec
@@ -46,20 +46,6 @@ def test_examples_are_admitted(path: Any) -> None:
     parse_spec(defaulted)  # and the operator accepts them too
 
 
-def _variant(change: dict[str, Any]) -> dict[str, Any]:
-    obj = example("disaggregated")
-    for dotted, value in change.items():
-        *parents, leaf = dotted.split(".")
-        node = obj
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return obj
-
-
 INVALID = {
     "negative replicas": ({"spec.decode.replicas": -1}, "decode.replicas"),
     "replicas not a number": ({"spec.router.replicas": "two"}, "router.replicas"),
@@ -79,15 +65,15 @@ INVALID = {
 
 @pytest.mark.parametrize("change, needle", INVALID.values(), ids=INVALID.keys())
 def test_invalid_variants_are_refused(change: dict[str, Any], needle: str) -> None:
-    _, problems = admit(crd_schema(), _variant(change))
+    _, problems = admit(crd_schema(), variant(change))
     assert problems, "admitted"
     assert any(needle in p for p in problems), problems
 
 
 def test_colocated_needs_no_connector() -> None:
-    obj = _variant({"spec.kvTransfer": None, "spec.prefill.enabled": False})
+    obj = variant({"spec.kvTransfer": None, "spec.prefill.enabled": False})
     assert admit(crd_schema(), obj)[1] == []
-    obj = _variant({"spec.kvTransfer": None, "spec.prefill": None})
+    obj = variant({"spec.kvTransfer": None, "spec.prefill": None})
     assert admit(crd_schema(), obj)[1] == []
 
 
