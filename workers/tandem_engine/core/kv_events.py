@@ -13,7 +13,8 @@ docs/contracts.md, "KV events"):
   (not a chain: no parent, no token ids), so a subscriber of any age can rebuild the exact state.
 
 A subscriber that sees a gap in `seq` asks the replay socket for the missing batches; a new `engine_id`
-(it carries a boot nonce) means the engine restarted with an empty cache.
+(it carries a boot nonce) means the engine restarted with an empty cache. An idle publisher sends an
+empty batch every second, so both are noticed without waiting for traffic.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class KVEventPublisher:
     """Publishes batches from the engine loop without blocking it: a thread owns both sockets, keeps
     the last `buffer_steps` batches for replay and answers replay requests."""
 
-    def __init__(self, pub_endpoint: str, replay_endpoint: str, buffer_steps: int, topic: str = "kv-events") -> None:
+    def __init__(self, pub_endpoint: str, replay_endpoint: str, buffer_steps: int, topic: str = "kv-events",
+                 heartbeat_s: float = 1.0) -> None:
         self.topic = topic.encode()
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -86,6 +88,10 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
         self._seq = 0
+        # An idle engine still sends an empty batch this often, so that a subscriber notices a restart
+        # (new engine id) or a lost batch (gap) within a second, not at the next request.
+        self.heartbeat_s = heartbeat_s
+        self._last_sent = time.monotonic()
         # What the published events say the cache holds, for snapshots (insertion-ordered set).
         self._held: dict[int, None] = {}
         self._engine_id = ""
@@ -115,6 +121,8 @@ class KVEventPublisher:
                 stop = batch is None
             if batch is not None:
                 self._send(batch)
+            elif self._engine_id and time.monotonic() - self._last_sent >= self.heartbeat_s:
+                self._send(KVEventBatch(time.time(), self._engine_id, []))
             for sock, _ in poller.poll(0):
                 self._answer_replay(sock)
             if stop:
@@ -126,6 +134,7 @@ class KVEventPublisher:
         self._seq += 1
         self._buffer.append((seq, payload))
         self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        self._last_sent = time.monotonic()
         self._track(batch)
 
     def _track(self, batch: KVEventBatch) -> None:
