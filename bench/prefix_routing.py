@@ -1,207 +1,248 @@
-"""prefix-aware vs round-robin on a shared-prefix multi-turn workload over two colocated engines.
+"""Prefix-aware routing on the exact KV index vs round-robin, least-load and the old bounded policy.
 
-Each policy gets its own pair of `tandem serve` engines (embedded model, small KV caches so that one
-engine cannot hold every group's prefix but two can) behind its own `tandem route`, and both run at
-the same time on the same prompts (`tandem bench --workload shared-prefix`, same seed), so that noise
-on the shared machine hits both alike. The engines' `vllm:prefix_cache_hits/queries` counters give
-the hit rate. Results: bench/results/prefix_routing.{json,md,png} and
-bench/results/prefix_routing_<policy>.json.
+Workload: many multi-turn chat conversations that share long system prompts (`tandem bench`'s
+shared-prefix sessions: each turn carries the whole history), interleaved, several in flight. For each
+pool size (2 and 4 colocated engines, KV events on, KV caches small enough that one engine cannot hold
+every prefix) and each policy, fresh engines and router(s) run the same sessions one policy after the
+other. The prefix-aware run goes through two router replicas (sessions alternate between them, as
+behind a load balancer); before every request both are asked where they would send it
+(`POST /route/...`), which gives their agreement.
 
-    .venv/bin/python bench/prefix_routing.py [--groups 6 --users 3 --turns 3 --concurrency 4]
+Reported per run: the engines' prefix-cache hit rate (`vllm:prefix_cache_hits / queries`), TTFT
+p50/p99 and e2e; per pool size the ideal hit rate: one engine with an unbounded cache seeing the same
+prompts in the same order (tokenized and hashed exactly as the engines do). Results:
+bench/results/prefix_routing.{json,md,png}.
+
+    .venv/bin/python bench/prefix_routing.py [--engines 2,4 --groups 8 --users 3 --turns 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from harness import MODEL, RESULTS
 
-from tandem_router.procs import TANDEM, Child, stop_all, tandem_child
+from tandem_router.bench.client import Record, Target, run, scrape_prefix_cache
+from tandem_router.bench.stats import summarize
+from tandem_router.bench.workload import shared_prefix_sessions
+from tandem_router.procs import Child, free_port_pair, stop_all, tandem_child
+from tandem_router.tokenizer import PromptTokenizer, fetch_tokenizer
 
-POLICIES = ("round-robin", "prefix-aware")
-# This script's workload flags: the `tandem bench` flag each one is passed on as, and its default.
-# 4 system prompts of ~27 blocks each: one engine's 64 blocks hold two of them, not four.
-WORKLOAD = {
-    "groups": ("--num-groups", 4),
-    "users": ("--users-per-group", 4),
-    "turns": ("--turns", 2),
-    "prefix_len": ("--prefix-len", 400),
-    "turn_len": ("--turn-len", 16),
-    "output_len": ("--output-len", 8),
-    "concurrency": ("--concurrency", 2),
-    "seed": ("--seed", 1),
-}
+POLICIES = ("round-robin", "least-load", "bounded-prefix", "prefix-aware")
+REPLICAS = {"prefix-aware": 2}  # router replicas per policy (agreement is measured where there are two)
 
 
-def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--engines", default="2,4", help="pool sizes, comma-separated")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--groups", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--users", type=int, default=3, help="conversations per system prompt")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--prefix-len", type=int, default=300, help="system prompt, ~tokens")
+    p.add_argument("--turn-len", type=int, default=24, help="user message, ~tokens")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kv-blocks", type=int, default=192, help="KV blocks (of 16 tokens) per engine")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    return p.parse_args()
+
+
+def engine_args(a: argparse.Namespace) -> list[str]:
+    return ["--max-model-len", str(a.max_model_len), "--num-kv-blocks", str(a.kv_blocks), "--dtype", "float32"]
+
+
+def start(a: argparse.Namespace, n: int, policy: str, logs: Path, children: list[Child]) -> tuple[list[str], list[str]]:
+    """`n` engines (each pinned to its share of the CPUs) and the policy's router replicas."""
+    from tandem_router.local_stack import split_cpus
+
+    engines = []
+    for i, cpus in enumerate(split_cpus(n)):
+        args = ["--model", MODEL, *engine_args(a), "--kv-events-port", str(free_port_pair())]
+        c = tandem_child(f"engine-{i}", "serve", args, logs / f"{policy}-{n}-engine-{i}.log")
+        c.cpus = cpus
+        engines.append(c.start())
+    children += engines
+    for c in engines:
+        c.wait_healthy(600)
+    urls = [c.url for c in engines]
+    routers = []
+    for r in range(REPLICAS.get(policy, 1)):
+        argv = ["--decode", ",".join(urls), "--policy", policy, "--health-interval", "1"]
+        router = tandem_child(f"router-{r}", "route", argv, logs / f"{policy}-{n}-router-{r}.log").start()
+        children.append(router)
+        routers.append(router)
+    for router in routers:
+        router.wait_healthy(60)
+    return urls, [r.url for r in routers]
+
+
+async def wait_following(routers: list[str], engines: list[str]) -> None:
+    """Until every router indexes every engine exactly (its KV events followed and caught up)."""
+    probe = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 40}]}
+    deadline = time.monotonic() + 60
+    async with aiohttp.ClientSession() as http:
+        for url in routers:
+            while True:
+                async with http.post(url + "/route/v1/chat/completions", json=probe) as resp:
+                    if (await resp.json()).get("exact"):
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"router {url} does not index {engines} exactly after 60 s")
+                await asyncio.sleep(0.5)
+
+
+async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -> tuple[list[Record], float, list]:
+    """The sessions, split across the router replicas; with two, both are asked before each request."""
+    sessions = shared_prefix_sessions(a.groups, a.users, a.turns, a.prefix_len, a.turn_len, a.seed)
+    agreement: list[tuple[str, ...]] = []
+    http = aiohttp.ClientSession()
+
+    async def ask(path: str, body: dict[str, Any], rec: Record) -> None:
+        answers = []
+        for url in routers:
+            async with http.post(url + "/route" + path, json=body) as resp:
+                answers.append((await resp.json())["endpoint"])
+        agreement.append(tuple(answers))
+
+    before = ask if len(routers) > 1 else None
+    parts = [sessions[i::len(routers)] for i in range(len(routers))]
+    per = max(1, a.concurrency // len(routers))
+    try:
+        runs = await asyncio.gather(*(
+            run(Target(url, MODEL, "chat", a.output_len, before=before), part, per, None, a.seed)
+            for url, part in zip(routers, parts, strict=True)))
+    finally:
+        await http.close()
+    records = sorted((r for recs, _ in runs for r in recs), key=lambda r: r.start)
+    return records, max(d for _, d in runs), agreement
+
+
+def ideal_hit_rate(records: list[Record], tok: PromptTokenizer, block_size: int) -> float:
+    """One engine with an unbounded cache, the prompts in the order they started: each hits the
+    longest run of leading blocks any earlier prompt had (the last token is always computed)."""
+    seen: set[int] = set()
+    hits = queries = 0
+    for r in records:
+        ids = tok.chat_ids(r.body["messages"])
+        hashes = tok.block_hashes(ids)
+        matched = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
+        hits += min(matched, (len(ids) - 1) // block_size) * block_size
+        queries += len(ids)
+        seen.update(hashes)
+    return hits / queries
+
+
+async def one_run(a: argparse.Namespace, n: int, policy: str, logs: Path) -> dict[str, Any]:
+    children: list[Child] = []
+    try:
+        engines, routers = start(a, n, policy, logs, children)
+        if policy in ("prefix-aware",):
+            await wait_following(routers, engines)
+        before = await scrape_prefix_cache(engines)
+        records, duration, agreement = await drive(a, routers, engines)
+        after = await scrape_prefix_cache(engines)
+        tok = await fetch_tokenizer(engines[0])
+    finally:
+        stop_all(children)
+    summary = summarize(records, duration)
+    queries = after["queries"] - before["queries"]
+    summary["prefix_cache_hit_rate"] = (after["hits"] - before["hits"]) / queries if queries else 0.0
+    summary["ideal_hit_rate"] = ideal_hit_rate([r for r in records if r.ok], tok, tok.block_size)
+    if agreement:
+        summary["replica_agreement"] = sum(len(set(x)) == 1 for x in agreement) / len(agreement)
+    print(f"== {n} engines, {policy}: hit {summary['prefix_cache_hit_rate']:.3f} "
+          f"(ideal {summary['ideal_hit_rate']:.3f}), TTFT p50 {summary['ttft_ms']['p50']:.0f} ms "
+          f"p99 {summary['ttft_ms']['p99']:.0f} ms, failed {summary['failed']}", flush=True)
+    return {"engines": n, "policy": policy, "summary": summary,
+            "requests": [{"start": r.start, "group": r.group, "turn": r.turn, "ok": r.ok, "ttft": r.ttft,
+                          "e2e": r.e2e, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
+                         for r in records]}
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    names = list(runs)
-    colors = ["tab:gray", "tab:green"]
-    hit = [runs[n]["summary"]["prefix_cache_hit_rate"] * 100 for n in names]
-    axes[0].bar(names, hit, color=colors)
-    axes[0].set(title="engine prefix-cache hit rate", ylabel="% of prompt tokens")
-    for i, v in enumerate(hit):
-        axes[0].text(i, v, f"{v:.1f}%", ha="center", va="bottom")
-    width = 0.35
-    for j, stat in enumerate(("p50", "p99")):
-        vals = [runs[n]["summary"]["ttft_ms"][stat] for n in names]
-        xs = [i + (j - 0.5) * width for i in range(len(names))]
-        axes[1].bar(xs, vals, width, label=stat, color=["tab:blue", "tab:orange"][j])
-    axes[1].set_xticks(range(len(names)), names)
-    axes[1].set(title="TTFT", ylabel="ms")
-    axes[1].legend()
-    for n, c in zip(names, colors, strict=True):
-        ttft = sorted(r["ttft"] * 1000 for r in runs[n]["requests"] if r["ok"])
-        axes[2].plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=n, color=c)
-    axes[2].set(title="TTFT CDF", xlabel="ms", ylabel="fraction of requests")
-    axes[2].legend(loc="lower right")
+    sizes = sorted({r["engines"] for r in runs})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colors = {"round-robin": "tab:gray", "least-load": "tab:blue", "bounded-prefix": "tab:orange",
+              "prefix-aware": "tab:green"}
+    width = 0.8 / len(colors)
+    for j, policy in enumerate(colors):
+        mine = {r["engines"]: r["summary"] for r in runs if r["policy"] == policy}
+        xs = [i + (j - 1.5) * width for i in range(len(sizes))]
+        for ax, key in zip(axes, ("hit", "p50", "p99"), strict=True):
+            vals = [(mine[s]["prefix_cache_hit_rate"] * 100 if key == "hit" else mine[s]["ttft_ms"][key])
+                    if s in mine else 0 for s in sizes]
+            ax.bar(xs, vals, width, label=policy, color=colors[policy])
+    ideal = [next(r["summary"]["ideal_hit_rate"] for r in runs if r["engines"] == s) * 100 for s in sizes]
+    axes[0].scatter(range(len(sizes)), ideal, marker="_", s=2000, color="black", label="ideal", zorder=3)
+    for ax, title, unit in zip(axes, ("prefix-cache hit rate", "TTFT p50", "TTFT p99"), ("%", "ms", "ms"),
+                               strict=True):
+        ax.set_xticks(range(len(sizes)), [f"{s} engines" for s in sizes])
+        ax.set(title=title, ylabel=unit)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    for name, (_, default) in WORKLOAD.items():
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    p.add_argument("--kv-blocks", type=int, default=64, help="KV blocks (of 16 tokens) per engine")
-    p.add_argument("--max-model-len", type=int, default=640)
-    return p.parse_args()
-
-
-def engine_args(a: argparse.Namespace) -> list[str]:
-    return ["--num-threads", "1", "--max-model-len", str(a.max_model_len), "--num-kv-blocks", str(a.kv_blocks)]
-
-
-def start_stack(a: argparse.Namespace, logs: Path,
-                children: list[Child]) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Per policy, two engines behind one router (appended to `children` as they start); the engine URLs
-    and the router URL of each policy. One engine pair per policy, run at the same time on the same
-    prompts (same seed): machine noise hits both alike and neither finds the other's prompts in its cache."""
-    engines: dict[str, list[str]] = {}
-    for policy in POLICIES:
-        pair = [tandem_child(f"{policy}-engine-{i}", "serve", ["--model", MODEL, *engine_args(a)],
-                             logs / f"{policy}-engine-{i}.log").start() for i in range(2)]
-        children += pair
-        engines[policy] = [c.url for c in pair]
-    for c in children:
-        c.wait_healthy(600)
-    routers: dict[str, str] = {}
-    for policy in POLICIES:
-        args = ["--decode", ",".join(engines[policy]), "--policy", policy]
-        router = tandem_child(f"router-{policy}", "route", args, logs / f"router-{policy}.log").start()
-        children.append(router)
-        router.wait_healthy(60)
-        routers[policy] = router.url
-    return engines, routers
-
-
-def run_benches(a: argparse.Namespace, logs: Path, engines: dict[str, list[str]],
-                routers: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """`tandem bench --workload shared-prefix` against both routers at once; each policy's results."""
-    benches = []
-    for policy in POLICIES:
-        out = RESULTS / f"prefix_routing_{policy}.json"
-        argv = ["bench", "--url", routers[policy], "--workload", "shared-prefix"]
-        argv += [x for name, (flag, _) in WORKLOAD.items() for x in (flag, str(getattr(a, name)))]
-        argv += ["--engine-metrics", ",".join(engines[policy]), "--label", policy, "--json", str(out)]
-        print(f"== {policy}: {routers[policy]} over {', '.join(engines[policy])}", flush=True)
-        with open(logs / f"bench-{policy}.log", "wb") as log:
-            benches.append((policy, out, subprocess.Popen([*TANDEM, *argv], stdout=log)))
-    runs: dict[str, dict[str, Any]] = {}
-    for policy, out, proc in benches:
-        if proc.wait() not in (0, 1):
-            raise RuntimeError(f"tandem bench for {policy} failed; see {logs}")
-        print((logs / f"bench-{policy}.log").read_text(), flush=True)
-        runs[policy] = json.loads(out.read_text())
-        runs[policy]["router_metrics"] = [
-            ln
-            for ln in httpx.get(routers[policy] + "/metrics").text.splitlines()
-            if ln.startswith("tandem:router_routing_decisions_total") and not ln.endswith(" 0.0")
-        ]
-        out.write_text(json.dumps(runs[policy], indent=1))
-    return runs
-
-
-def report(a: argparse.Namespace, runs: dict[str, dict[str, Any]], load_before: float) -> list[str]:
-    """Write prefix_routing.json; the lines of prefix_routing.md."""
+def report(a: argparse.Namespace, runs: list[dict[str, Any]], load: list[float]) -> str:
     cmd = "python bench/prefix_routing.py " + " ".join(sys.argv[1:])
-    summary = {n: runs[n]["summary"] for n in POLICIES}
-    meta = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": cmd,
-        "config": vars(a),
-        "engine_args": engine_args(a),
-        "load_average": [load_before, os.getloadavg()[0]],
-        "summary": summary,
-    }
-    (RESULTS / "prefix_routing.json").write_text(json.dumps(meta, indent=1))
-    rr, pa = summary["round-robin"], summary["prefix-aware"]
     lines = [
-        "# prefix-aware vs round-robin routing",
+        "# Prefix-aware routing on the exact KV index",
         "",
-        f"`{cmd}` at {meta['time']}: per policy, two colocated `tandem serve` engines "
-        f"({' '.join(engine_args(a))}) on the embedded SmolLM2-135M behind one `tandem route`; both policies "
-        "at once on the same prompts, `tandem bench --workload shared-prefix` "
-        f"({a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
-        f"{a.turns} turns, "
-        f"{a.output_len} output tokens, concurrency {a.concurrency}). Hit rate = engine "
-        "`vllm:prefix_cache_hits / vllm:prefix_cache_queries` over the run.",
+        f"`{cmd}` at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-minute load average "
+        f"{load[0]:.2f} before and {load[1]:.2f} after, {os.cpu_count()} cores. Per pool size and policy, fresh "
+        f"colocated engines ({' '.join(engine_args(a))}, KV events on, each pinned to its share of the cores) "
+        f"behind `tandem route`; {a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
+        f"{a.turns} turns of ~{a.turn_len} words carrying the history, {a.output_len} output tokens, "
+        f"{a.concurrency} conversations in flight. prefix-aware runs as two router replicas (sessions alternate); "
+        "agreement = both answer the same engine to `POST /route/...` just before each request. Ideal = one "
+        "engine with an unbounded cache on the same prompts in the same order.",
         "",
-        "| policy | hit rate | TTFT mean (ms) | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | output tok/s | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engines | policy | hit rate | ideal | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | replicas agree | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, s in summary.items():
-        lines.append(
-            f"| {n} | {s['prefix_cache_hit_rate']:.1%} | {s['ttft_ms']['mean']:.0f} | "
-            f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['e2e_ms']['p50']:.0f} | "
-            f"{s['output_throughput']:.1f} | {s['failed']} |"
-        )
-    lines += [
-        "",
-        f"prefix-aware: hit rate {pa['prefix_cache_hit_rate']:.1%} vs {rr['prefix_cache_hit_rate']:.1%}, "
-        f"TTFT p50 {pa['ttft_ms']['p50']:.0f} ms vs {rr['ttft_ms']['p50']:.0f} ms.",
-        "",
-        f"Machine: {os.cpu_count()} cores shared with other jobs, load average {load_before:.1f} at the start "
-        f"and {os.getloadavg()[0]:.1f} at the end, so absolute latencies are inflated; the two policies ran "
-        "side by side on the same prompts, which is what makes them comparable.",
-        "",
-        "![hit rate and TTFT](prefix_routing.png)",
-        "",
-    ]
-    return lines
+    for r in runs:
+        s = r["summary"]
+        agree = f"{s['replica_agreement']:.1%}" if "replica_agreement" in s else ""
+        lines.append(f"| {r['engines']} | {r['policy']} | {s['prefix_cache_hit_rate']:.3f} | "
+                     f"{s['ideal_hit_rate']:.3f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | "
+                     f"{s['e2e_ms']['p50']:.0f} | {agree} | {s['failed']} |")
+    lines += ["", "![hit rate and TTFT per policy](prefix_routing.png)", ""]
+    return "\n".join(lines)
 
 
 def main() -> int:
     a = parse_args()
-    load_before = os.getloadavg()[0]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    load = [os.getloadavg()[0]]
     logs = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
-    print(f"process logs in {logs}", flush=True)
-    children: list[Child] = []
-    try:
-        engines, routers = start_stack(a, logs, children)
-        runs = run_benches(a, logs, engines, routers)
-    finally:
-        stop_all(children)
+    print(f"process logs in {logs}; load average {load[0]:.2f}", flush=True)
+    runs = [asyncio.run(one_run(a, int(n), policy, logs))
+            for n in a.engines.split(",") for policy in a.policies.split(",")]
+    load.append(os.getloadavg()[0])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python bench/prefix_routing.py " + " ".join(sys.argv[1:]), "config": vars(a),
+            "engine_args": engine_args(a), "load_average": load, "runs": runs}
+    (RESULTS / "prefix_routing.json").write_text(json.dumps(meta, indent=1))
     plot(runs, RESULTS / "prefix_routing.png")
-    lines = report(a, runs, load_before)
-    (RESULTS / "prefix_routing.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    table = report(a, runs, load)
+    (RESULTS / "prefix_routing.md").write_text(table)
+    print(table)
     return 0
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 from tandem_router.policies import POLICIES
-from tandem_router.procs import TANDEM, Child, free_port, healthy, port_in_use, stop_all
+from tandem_router.procs import TANDEM, Child, free_port, free_port_pair, healthy, port_in_use, stop_all
 
 MAX_RESTARTS = 5
 
@@ -138,7 +138,8 @@ def build_engines(a: argparse.Namespace, logs: Path) -> list[Child]:
     for role, count in (("prefill", a.prefill), ("decode" if a.prefill else "engine", a.decode)):
         for i in range(count):
             port = free_port(host)
-            argv = [*engine_cmd, "--model", a.model, "--host", host, "--port", str(port), *extra]
+            argv = [*engine_cmd, "--model", a.model, "--host", host, "--port", str(port),
+                    "--kv-events-port", str(free_port_pair(host)), *extra]  # for the router's KV index
             if a.prefill:
                 argv += ["--role", role, "--kv-side-channel-port", str(free_port(host))]
             engines.append(Child(f"{role}-{i}", f"http://{host}:{port}", argv, logs / f"{role}-{i}.log"))

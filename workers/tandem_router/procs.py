@@ -41,6 +41,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair(host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A free port whose successor is free too (KV events: PUB on the port, replay on the next)."""
+    for _ in range(tries):
+        port = free_port(host)
+        if port < 65535 and not port_in_use(host, port + 1):
+            return port
+    raise OSError(f"no two consecutive free ports on {host} in {tries} tries")
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

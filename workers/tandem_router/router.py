@@ -24,6 +24,7 @@ from tandem_router.policies import (
     make_policy,
 )
 from tandem_router.pool import Endpoint, Pool, PoolKind
+from tandem_router.request import ParsedRequest, routing_request
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +113,22 @@ class Router:
         return PrefixView(pool.index.match(rreq.block_hashes), self.config.block_chars / CHARS_PER_TOKEN,
                           len(rreq.block_hashes), False, sizes)
 
-    def choose(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest) -> Decision:
+    def routing_request(self, parsed: ParsedRequest, session: str | None) -> RoutingRequest:
+        """What the policies read of a request: its prompt's block hashes (of the text, and of the
+        tokens when the router has the engines' tokenizer) and its load."""
+        c = self.config
+        return routing_request(parsed, c.block_chars, c.max_blocks, session, self.uses_prefix_index)
+
+    def choose(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest, record: bool = True) -> Decision:
+        """The policy's decision; `record=False` for a question (`POST /route/...`): no metrics."""
         policy = self.policies[pool.role]
         view = self.prefix_view(pool, candidates, rreq)
         d = policy.choose(candidates, rreq, view)
+        d.view = view
+        if not record:
+            return d
         role = pool.role.value
         self.metrics.routing_decisions.labels(role, policy.name, d.endpoint.url, d.reason).inc()
-        d.view = view
         if view.num_blocks:
             self.metrics.prefix_lookups.labels(role, "exact" if view.exact else "approximate").inc()
             d.matched_blocks = view.matches.get(d.endpoint.url, 0)

@@ -17,7 +17,7 @@ from tandem_router.config import RouterConfig
 from tandem_router.pd import ClientErrorFromPrefill, open_pd
 from tandem_router.policies import RoutingRequest
 from tandem_router.proxy import NoEndpoint, error_response, open_upstream, relay
-from tandem_router.request import BadRequest, Kind, parse_request, routing_request
+from tandem_router.request import BadRequest, Kind, parse_request
 from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     except BadRequest as e:
         return error_response(400, str(e), "invalid_request_error", e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    session = request.headers.get(cfg.session_header)
-    rreq = routing_request(parsed, cfg.block_chars, cfg.max_blocks, session, router.uses_prefix_index)
+    rreq = router.routing_request(parsed, request.headers.get(cfg.session_header))
     # Only what the engine needs crosses: no client Authorization (the engines know no API key).
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     route = request.path
@@ -85,6 +84,34 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     router.metrics.requests.labels(route, url, str(resp.status)).inc()
     router.metrics.latency.labels(url).observe(time.perf_counter() - t_start)
     return resp
+
+
+async def route_only(request: web.Request) -> web.Response:
+    """`POST /route/v1/...`: the decision this router would take for the request now, without sending
+    it (docs/contracts.md): where, why, and what the index holds where."""
+    router = request.app[ROUTER_KEY]
+    kind: Kind = "chat" if request.path.endswith("/chat/completions") else "completions"
+    try:
+        parsed = parse_request(kind, await request.read())
+    except BadRequest as e:
+        return error_response(400, str(e), "invalid_request_error", e.param)
+    rreq = router.routing_request(parsed, request.headers.get(router.config.session_header))
+    pool = router.decode
+    candidates = sorted(pool.healthy(), key=lambda e: e.url)
+    if not candidates:
+        return NoEndpoint("no healthy decode endpoint").response()
+    d = router.choose(pool, candidates, rreq, record=False)
+    view = d.view
+    body = {
+        "pool": pool.role.value,
+        "endpoint": d.endpoint.url,
+        "reason": d.reason,
+        "policy": router.policies[pool.role].name,
+        "prompt_tokens": rreq.prompt_tokens,
+        "exact": bool(view and view.exact),
+        "cached_tokens": {u: view.cached_tokens(u) for u in view.matches} if view else {},
+    }
+    return web.json_response(body)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -144,6 +171,8 @@ def build_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/route/v1/completions", route_only)
+    app.router.add_post("/route/v1/chat/completions", route_only)
     app.router.add_get("/v1/models", passthrough)
     app.router.add_post("/tokenize", passthrough)
     app.router.add_post("/detokenize", passthrough)

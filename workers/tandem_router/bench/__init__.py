@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
     if a.json_path:
         errors = sorted({r.error for r in records if r.error})[:10]
         result["errors"] = errors
-        result["requests"] = [{k: v for k, v in asdict(r).items() if k not in ("itl", "text")} for r in records]
+        result["requests"] = [{k: v for k, v in asdict(r).items() if k not in ("itl", "text", "body")} for r in records]
         with open(a.json_path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {a.json_path}")

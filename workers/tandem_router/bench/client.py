@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,10 @@ class Record:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: the engine's prefix-cache hit
     output_tokens: int = 0
     text: str = ""
+    body: dict[str, Any] = field(default_factory=dict, repr=False)  # what was sent
 
     @property
     def tpot(self) -> float | None:
@@ -43,6 +46,9 @@ class Target:
     output_len: int
     api_key: str | None = None
     timeout: float = 600.0
+    # Awaited with (path, body, record) just before each request is sent (bench scripts that also
+    # ask routers where they would send it).
+    before: Callable[[str, dict[str, Any], Record], Awaitable[None]] | None = None
 
 
 async def one_request(
@@ -68,6 +74,9 @@ async def one_request(
         body["prompt"] = prompt
         path = "/v1/completions"
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    rec.body = body
+    if target.before is not None:
+        await target.before(path, body, rec)
     start = time.perf_counter()
     rec.start = start - t0
     last = start
@@ -88,9 +97,10 @@ async def one_request(
                 if "error" in data:
                     rec.error = str(data["error"].get("message"))
                     return
-                if data.get("usage"):
-                    rec.prompt_tokens = data["usage"].get("prompt_tokens", 0)
-                    rec.output_tokens = data["usage"].get("completion_tokens", 0)
+                if usage := data.get("usage"):
+                    rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                    rec.output_tokens = usage.get("completion_tokens", 0)
+                    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for choice in data.get("choices") or []:
                     piece = (
                         choice.get("text") if target.endpoint != "chat" else (choice.get("delta") or {}).get("content")
