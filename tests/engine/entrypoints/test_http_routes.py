@@ -68,6 +68,11 @@ async def test_tokenizer_serves_what_the_router_tokenizes_with(client: httpx.Asy
     assert len(router.block_hashes(expected)) == len(expected) // BLOCK_SIZE
 
 
+async def test_tokenizer_without_a_fast_tokenizer_is_501(client: httpx.AsyncClient, engine: ToyEngine) -> None:
+    engine.slow_tokenizer = True
+    assert_error(await client.get("/tokenizer"), 501, contains="not a fast tokenizer")
+
+
 async def test_unknown_route_and_method_are_openai_shaped(client: httpx.AsyncClient) -> None:
     assert_error(await client.get("/v1/nothing"), 404)
     assert_error(await client.get("/v1/completions"), 405)

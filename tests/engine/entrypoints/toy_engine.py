@@ -72,6 +72,7 @@ class ToyEngine(EngineClient):
         self.fail_stream_after: int | None = None  # raise EngineDeadError after this many deltas
         self.delay = 0.0
         self.pieces: list[bytes] | None = None  # the tokens' bytes to generate instead of letters
+        self.slow_tokenizer = False  # GET /tokenizer has nothing to serve
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if "BUG" in text:
@@ -89,6 +90,8 @@ class ToyEngine(EngineClient):
         return "\x01" + text + ("<assistant>" if add_generation_prompt else "")
 
     def tokenizer_spec(self) -> bytes:
+        if self.slow_tokenizer:
+            raise TypeError("ToyTokenizer is not a fast tokenizer")
         return toy_tokenizer_spec()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,

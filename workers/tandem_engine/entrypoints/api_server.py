@@ -82,7 +82,10 @@ def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistr
     @app.get("/tokenizer")
     async def tokenizer() -> Response:
         # What a router needs to compute this engine's block hashes (docs/contracts.md, "Block hashing").
-        return Response(engine.tokenizer_spec(), media_type="application/json")
+        try:
+            return Response(engine.tokenizer_spec(), media_type="application/json")
+        except TypeError as exc:  # not a fast tokenizer
+            raise OpenAIError(str(exc), HTTPStatus.NOT_IMPLEMENTED) from None
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -50,6 +50,10 @@ class AsyncLLM(EngineClient):
             raise
         engine = cls(config, plan, core, hf_config, tokenizer,
                      eos_token_ids(hf_config, tokenizer, generation_config))
+        try:
+            await asyncio.to_thread(engine.tokenizer_spec)  # built off the event loop, before the first GET
+        except TypeError as e:  # a slow tokenizer: the engine serves, without GET /tokenizer
+            logger.warning("[startup] GET /tokenizer is unavailable: %s", e)
         logger.info("[startup] %d engine(s) ready in %.1fs", len(core.procs), time.perf_counter() - t0)
         return engine
 
@@ -107,7 +111,7 @@ class AsyncLLM(EngineClient):
             raise RequestError(f"could not apply the chat template: {e}", "messages") from e
 
     def tokenizer_spec(self) -> bytes:
-        if self._tokenizer_spec is None:  # about 2 MB of JSON: built on first use, then served as is
+        if self._tokenizer_spec is None:  # about 2 MB of JSON: built once, then served as is
             self._tokenizer_spec = tokenizer_spec(self.tokenizer, self.model_name, self.config.block_size)
         return self._tokenizer_spec
 

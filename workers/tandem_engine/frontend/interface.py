@@ -72,7 +72,8 @@ class EngineClient(ABC):
 
     @abstractmethod
     def tokenizer_spec(self) -> bytes:
-        """The JSON body of GET /tokenizer (frontend/tokenizer_spec.py), built once."""
+        """The JSON body of GET /tokenizer (frontend/tokenizer_spec.py), built once. Raises TypeError
+        when the tokenizer cannot be served (it is not a fast tokenizer)."""
 
     @abstractmethod
     def generate(
