@@ -34,7 +34,7 @@ PROMPTS = [
     "Ünïcödé — 日本語のテキスト, emoji 😀👩‍👩‍👧‍👦 and a flag 🇫🇷, combining e\u0301",
     "  leading\n\n\n\ttabs   and    runs   \r\n trailing   ",
     "<|im_start|>user\nspecial-token text inside a prompt<|im_end|>",
-    " ".join(f"word{i} ✓" for i in range(4000)),  # about 16,000 tokens
+    " ".join(f"word{i} ✓" for i in range(4000)),  # about 31,000 tokens
     "",
     " ",
     "\n",
