@@ -13,6 +13,7 @@ def test_router_imports_neither_torch_nor_the_engine() -> None:
     code = (
         "import sys, json; sys.path[:0] = ['workers']\n"
         "import tandem_router.cli, tandem_router.server, tandem_router.local_stack, tandem_router.bench\n"
+        "import tandem_router.tokenizer\n"
         "import tandem_cli\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tandem_engine'))))"
     )

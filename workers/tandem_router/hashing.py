@@ -1,5 +1,9 @@
 """Prompt block hashes and a consistent-hash ring, both deterministic across processes.
 
+`token_block_hashes` is the router's copy of the engine's block hash (docs/contracts.md, "Block
+hashing"): the exact keys of the engine's prefix cache and of its KV events, from token ids.
+tests/router/test_tokenizer.py checks it against the engine's own `hash_block` and a live engine.
+
 The router has no tokenizer: a prompt is cut into blocks of characters (about 4 characters a token),
 and each block's hash covers its text and the previous block's hash, as the engine's prefix cache
 chains token blocks. Python's `hash()` is salted per process, so blake2b is used: several router
@@ -10,9 +14,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Sequence
 
 CHARS_PER_TOKEN = 4
+# The engine sends its hash's name in GET /tokenizer; the router hashes only when the names agree.
+BLOCK_HASH_SPEC = "blake2b-64:parent-u64le+tokens-u32le:root-0:v1"
 
 
 def hash64(data: bytes) -> int:
@@ -29,6 +36,22 @@ def block_hashes(text: str, block_chars: int, max_blocks: int, seed: str = "") -
         block = data[i * block_chars : (i + 1) * block_chars]
         prev = hash64(prev.to_bytes(8, "little") + block)
         out.append(prev)
+    return out
+
+
+def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The engine's chained hashes of the full `block_size`-token blocks of `token_ids`: blake2b with an
+    8-byte digest over the parent's hash (8 bytes little-endian, 0 for the first block) followed by each
+    token id (4 bytes little-endian), the digest read little-endian. A partial tail is not hashed."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    pack = struct.Struct(f"<Q{block_size}I").pack
+    out: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        data = pack(parent, *token_ids[start : start + block_size])
+        parent = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        out.append(parent)
     return out
 
 

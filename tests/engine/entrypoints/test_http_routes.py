@@ -1,12 +1,14 @@
-"""The plain routes: /v1/models, /health, /metrics, /tokenize, /detokenize, and the OpenAI shape of
-answers from routes that do not exist or fail."""
+"""The plain routes: /v1/models, /health, /metrics, /tokenize, /detokenize, /tokenizer, and the OpenAI
+shape of answers from routes that do not exist or fail."""
 
 from __future__ import annotations
 
 import httpx
 
 from tandem_engine.frontend.interface import EngineDeadError
-from tests.engine.entrypoints.toy_engine import BOS, MODEL, ToyEngine, assert_error
+from tandem_router.hashing import BLOCK_HASH_SPEC
+from tandem_router.tokenizer import PromptTokenizer
+from tests.engine.entrypoints.toy_engine import BLOCK_SIZE, BOS, MODEL, ToyEngine, assert_error
 
 
 async def test_models_health_metrics(client: httpx.AsyncClient, engine: ToyEngine) -> None:
@@ -43,6 +45,34 @@ async def test_tokenize_detokenize(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
     assert_error(await client.post("/detokenize", json={"tokens": [2**40]}), 400, "tokens")
     assert_error(await client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+
+
+async def test_tokenizer_serves_what_the_router_tokenizes_with(client: httpx.AsyncClient) -> None:
+    resp = await client.get("/tokenizer")
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    router = PromptTokenizer.from_json(resp.content)
+    assert (router.model, router.block_size, router.spec.hash_spec) == (MODEL, BLOCK_SIZE, BLOCK_HASH_SPEC)
+
+    async def engine_ids(body: dict[str, object]) -> list[int]:
+        tokens: list[int] = (await client.post("/tokenize", json=body)).json()["tokens"]
+        return tokens
+
+    for prompt in ["hi there", "  two  spaces\nand a newline ", ""]:
+        for special in (True, False):
+            expected = await engine_ids({"prompt": prompt, "add_special_tokens": special})
+            assert router.prompt_ids(prompt, add_special_tokens=special) == expected
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts},
+            {"role": "assistant", "content": "ok", "name": None}, {"role": "user", "content": "more"}]
+    for gen in (True, False):
+        expected = await engine_ids({"messages": chat, "add_generation_prompt": gen})
+        assert router.chat_ids(chat, add_generation_prompt=gen) == expected
+    assert len(router.block_hashes(expected)) == len(expected) // BLOCK_SIZE
+
+
+async def test_tokenizer_without_a_fast_tokenizer_is_501(client: httpx.AsyncClient, engine: ToyEngine) -> None:
+    engine.slow_tokenizer = True
+    assert_error(await client.get("/tokenizer"), 501, contains="not a fast tokenizer")
 
 
 async def test_unknown_route_and_method_are_openai_shaped(client: httpx.AsyncClient) -> None:

@@ -3,7 +3,8 @@ of OpenAI-shaped answers.
 
 `ToyEngine` tokenizes text as one token per character (id = code point, BOS = 1) and generates the
 letters a, b, c, ... starting at `seed % 26`, one token per delta, with logprobs -0.5 per step; given
-`pieces`, it generates those byte strings instead, as a byte-level tokenizer splits a character.
+`pieces`, it generates those byte strings instead, as a byte-level tokenizer splits a character. Its GET
+/tokenizer serves the same tokenizer (for ASCII text) as `tokenizers` and jinja2 write it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 import prometheus_client
 import uvicorn
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 
+from tandem_engine.core.block_pool import HASH_SPEC
 from tandem_engine.entrypoints.api_server import build_app
 from tandem_engine.frontend.interface import (
     EngineClient,
@@ -28,12 +32,27 @@ from tandem_engine.frontend.interface import (
     TokenCandidate,
     TokenLogprob,
 )
+from tandem_engine.frontend.tokenizer_spec import TokenizerSpec
 from tandem_engine.sampling_params import SamplingParams
 
 BOS = 1
 MODEL = "toy-model"
 LONG = "x" * 70  # 71 tokens with BOS, over max_model_len=64
 CHAT = [{"role": "user", "content": "hi"}]
+BLOCK_SIZE = 4
+# `ToyEngine.apply_chat_template` as a chat template.
+CHAT_TEMPLATE = ("\x01{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def toy_tokenizer_spec() -> bytes:
+    """The toy tokenizer for ASCII text as GET /tokenizer serves it: a token per character, BOS first."""
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(128)}, unk_token=chr(0)))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single=[chr(BOS), "$A"], special_tokens=[(chr(BOS), BOS)])
+    spec = TokenizerSpec(model=MODEL, hash_spec=HASH_SPEC, block_size=BLOCK_SIZE, tokenizer_json=tok.to_str(),
+                         chat_template=CHAT_TEMPLATE, special_tokens={"bos_token": chr(BOS)})
+    return msgspec.json.encode(spec)
 
 
 class ToyEngine(EngineClient):
@@ -53,6 +72,7 @@ class ToyEngine(EngineClient):
         self.fail_stream_after: int | None = None  # raise EngineDeadError after this many deltas
         self.delay = 0.0
         self.pieces: list[bytes] | None = None  # the tokens' bytes to generate instead of letters
+        self.slow_tokenizer = False  # GET /tokenizer has nothing to serve
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if "BUG" in text:
@@ -68,6 +88,11 @@ class ToyEngine(EngineClient):
                 raise RequestError(f"unknown role {m['role']!r}", param="messages")
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
         return "\x01" + text + ("<assistant>" if add_generation_prompt else "")
+
+    def tokenizer_spec(self) -> bytes:
+        if self.slow_tokenizer:
+            raise TypeError("ToyTokenizer is not a fast tokenizer")
+        return toy_tokenizer_spec()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:

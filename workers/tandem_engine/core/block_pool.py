@@ -13,6 +13,9 @@ from collections.abc import Iterable, Sequence
 from tandem_engine.core.kv_events import BlockRemoved, BlockStored, KVEvent
 
 NONE_HASH = 0
+# Names the hash below; GET /tokenizer sends it so a router that hashes otherwise refuses the spec
+# (docs/contracts.md, "Block hashing"). Change it whenever `hash_block` or NONE_HASH changes.
+HASH_SPEC = "blake2b-64:parent-u64le+tokens-u32le:root-0:v1"
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

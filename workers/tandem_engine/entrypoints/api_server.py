@@ -85,6 +85,14 @@ def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistr
         body = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
         return JSONResponse(body.model_dump())
 
+    @app.get("/tokenizer")
+    async def tokenizer() -> Response:
+        # What a router needs to compute this engine's block hashes (docs/contracts.md, "Block hashing").
+        try:
+            return Response(engine.tokenizer_spec(), media_type="application/json")
+        except TypeError as exc:  # not a fast tokenizer
+            raise OpenAIError(str(exc), HTTPStatus.NOT_IMPLEMENTED) from None
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await parse_body(request, DetokenizeRequest)

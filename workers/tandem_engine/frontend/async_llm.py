@@ -18,6 +18,7 @@ from tandem_engine.frontend.core_client import CoreClient
 from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
 from tandem_engine.frontend.metrics import EngineMetrics
 from tandem_engine.frontend.output_processor import OutputProcessor
+from tandem_engine.frontend.tokenizer_spec import tokenizer_spec
 from tandem_engine.models.loader import eos_token_ids, load_config_and_tokenizer, resolve_model
 from tandem_engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from tandem_engine.sampling_params import SamplingParams
@@ -49,6 +50,10 @@ class AsyncLLM(EngineClient):
             raise
         engine = cls(config, plan, core, hf_config, tokenizer,
                      eos_token_ids(hf_config, tokenizer, generation_config))
+        try:
+            await asyncio.to_thread(engine.tokenizer_spec)  # built off the event loop, before the first GET
+        except TypeError as e:  # a slow tokenizer: the engine serves, without GET /tokenizer
+            logger.warning("[startup] GET /tokenizer is unavailable: %s", e)
         logger.info("[startup] %d engine(s) ready in %.1fs", len(core.procs), time.perf_counter() - t0)
         return engine
 
@@ -66,6 +71,7 @@ class AsyncLLM(EngineClient):
         self.vocab_size: int | None = int(getattr(hf_config, "vocab_size", 0)) or None
         self.eos_token_ids = eos_ids
         self.output_processor = OutputProcessor(tokenizer, self.metrics)
+        self._tokenizer_spec: bytes | None = None
         self._dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._draining = False
@@ -103,6 +109,11 @@ class AsyncLLM(EngineClient):
                                                           add_generation_prompt=add_generation_prompt))
         except Exception as e:  # jinja errors on malformed messages
             raise RequestError(f"could not apply the chat template: {e}", "messages") from e
+
+    def tokenizer_spec(self) -> bytes:
+        if self._tokenizer_spec is None:  # about 2 MB of JSON: built once, then served as is
+            self._tokenizer_spec = tokenizer_spec(self.tokenizer, self.model_name, self.config.block_size)
+        return self._tokenizer_spec
 
     async def generate(
         self,

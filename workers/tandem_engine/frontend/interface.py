@@ -71,6 +71,11 @@ class EngineClient(ABC):
         """Render chat messages to the prompt text (raises RequestError on malformed messages)."""
 
     @abstractmethod
+    def tokenizer_spec(self) -> bytes:
+        """The JSON body of GET /tokenizer (frontend/tokenizer_spec.py), built once. Raises TypeError
+        when the tokenizer cannot be served (it is not a fast tokenizer)."""
+
+    @abstractmethod
     def generate(
         self,
         prompt_token_ids: list[int],
