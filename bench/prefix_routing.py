@@ -214,7 +214,8 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], load: list[float])
         "agreement = both answer the same engine to `POST /route/...` just before each request. Ideal = one "
         "engine with an unbounded cache on the same prompts in the same order.",
         "",
-        "| engines | policy | hit rate | ideal | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | replicas agree | failed |",
+        "| engines | policy | hit rate | ideal | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | replicas agree "
+        "| failed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:

@@ -130,7 +130,9 @@ async def test_missed_batches_are_replayed(ctx: zmq.asyncio.Context) -> None:
     # and the kernel's socket buffers hold goes out: 4,000 batches of ~8 kB (token ids, not indexed).
     for n in range(1, 4001):
         feed.pub.publish(engine_events.KVEventBatch(0.0, "e1", [engine_events.BlockStored([n], None, [1] * 8000, 16)]))
-    time.sleep(3.0)
+    while not feed.pub._queue.empty():  # all of it handed to the PUB socket, the loop still blocked
+        time.sleep(0.05)
+    time.sleep(1.0)
     await feed.settle(set(range(4001)), timeout=30)
     assert "gap" in feed.resyncs
     task.cancel()

@@ -8,6 +8,7 @@ rewrite them (colocated mode, or decode without remote prefill).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,6 +16,9 @@ import msgspec
 
 from tandem_router.hashing import block_hashes, estimate_tokens
 from tandem_router.policies import RoutingRequest
+from tandem_router.tokenizer import PromptTokenizer
+
+logger = logging.getLogger(__name__)
 
 Kind = Literal["completions", "chat"]
 DEFAULT_MAX_TOKENS = 256  # load estimate when the client sets none
@@ -143,6 +147,23 @@ def routing_request(
     seed = str(req.body.get("model", ""))
     hashes = block_hashes(req.prompt_text, block_chars, max_blocks, seed) if hashed else []
     return RoutingRequest(hashes, req.prompt_tokens, req.max_tokens, session)
+
+
+def prompt_token_ids(tok: PromptTokenizer, req: ParsedRequest) -> list[int] | None:
+    """The prompt's token ids as the engine will see them (the first prompt of a batch), or None when
+    the engine would refuse the request anyway."""
+    body = req.body
+    try:
+        if req.kind == "chat":
+            return tok.chat_ids(body["messages"], bool(body.get("add_generation_prompt", True)))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            return tok.prompt_ids(prompt, bool(body.get("add_special_tokens", True)))
+    except (ValueError, TypeError, KeyError) as e:
+        logger.debug("prompt not tokenized for routing: %s", e)
+    return None
 
 
 def prefill_body(req: ParsedRequest) -> dict[str, Any]:

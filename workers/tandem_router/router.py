@@ -24,7 +24,8 @@ from tandem_router.policies import (
     make_policy,
 )
 from tandem_router.pool import Endpoint, Pool, PoolKind
-from tandem_router.request import ParsedRequest, routing_request
+from tandem_router.request import ParsedRequest, prompt_token_ids, routing_request
+from tandem_router.tokenizer import PromptTokenizer, fetch_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class Router:
         self.kv_feed = KVIndexFeed(self.kv_index, self._on_kv_resync)
         self.follows_kv_events = self.uses_prefix_index and config.kv_events
         self.metrics.kv_index_blocks.set_function(self.kv_index.size)
+        self.tokenizer: PromptTokenizer | None = None
+        self._tokenizer_task: asyncio.Task[None] | None = None
         for pool in (self.decode, self.prefill):
             pool.listeners.append(self._on_health_change)
         self.health = HealthChecker(self)
@@ -94,6 +97,8 @@ class Router:
         await self.health.stop()
         await self.discovery.stop()
         await self.kv_feed.stop()
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -102,9 +107,9 @@ class Router:
     def prefix_view(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest) -> PrefixView:
         """The exact index's view when the request was tokenized and every candidate publishes KV
         events and is caught up; else the router's record of what it sent (approximate)."""
-        hashes = rreq.kv_hashes
-        block_size = self.kv_index.block_size
-        if hashes is not None and block_size and all(self.kv_feed.covers(e.url) for e in candidates):
+        hashes, tok = rreq.kv_hashes, self.tokenizer
+        if hashes is not None and tok is not None and all(self.kv_feed.covers(e.url) for e in candidates):
+            block_size = tok.block_size  # what `hashes` were cut by
             sizes = {e.url: self.kv_index.size(e.url) for e in candidates}
             return PrefixView(self.kv_index.match(hashes), block_size, len(hashes), True, sizes)
         if not rreq.block_hashes:
@@ -113,11 +118,31 @@ class Router:
         return PrefixView(pool.index.match(rreq.block_hashes), self.config.block_chars / CHARS_PER_TOKEN,
                           len(rreq.block_hashes), False, sizes)
 
-    def routing_request(self, parsed: ParsedRequest, session: str | None) -> RoutingRequest:
+    async def routing_request(self, parsed: ParsedRequest, session: str | None) -> RoutingRequest:
         """What the policies read of a request: its prompt's block hashes (of the text, and of the
         tokens when the router has the engines' tokenizer) and its load."""
         c = self.config
-        return routing_request(parsed, c.block_chars, c.max_blocks, session, self.uses_prefix_index)
+        rreq = routing_request(parsed, c.block_chars, c.max_blocks, session, self.uses_prefix_index)
+        tok = self.tokenizer
+        if tok is not None and self.follows_kv_events:
+            # ~10 ms for a 2,000-token chat: off the event loop.
+            ids = await asyncio.to_thread(prompt_token_ids, tok, parsed)
+            if ids is not None:
+                rreq.kv_hashes = tok.block_hashes(ids)
+                rreq.prompt_tokens = len(ids)
+        return rreq
+
+    async def _load_tokenizer(self, url: str) -> None:
+        """The engines' tokenizer, from the first engine admitted that serves it (docs/contracts.md,
+        "Block hashing"); until then, and without it, routing reads the approximate index."""
+        try:
+            self.tokenizer = await fetch_tokenizer(url, self.session)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            logger.warning("[kv-events] no tokenizer from %s (%s): routing uses the approximate index", url, e)
+        else:
+            logger.info("[kv-events] tokenizer of %s loaded from %s", self.tokenizer.model, url)
+        finally:
+            self._tokenizer_task = None
 
     def choose(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest, record: bool = True) -> Decision:
         """The policy's decision; `record=False` for a question (`POST /route/...`): no metrics."""
@@ -155,6 +180,8 @@ class Router:
         if self.follows_kv_events and self._session is not None:
             if admitted:
                 self.kv_feed.attach(self._session, ep.url)
+                if self.tokenizer is None and self._tokenizer_task is None:
+                    self._tokenizer_task = asyncio.get_running_loop().create_task(self._load_tokenizer(ep.url))
             elif ep.url not in self.pool(ep.role).endpoints:  # gone, not just ejected: its events stop
                 asyncio.get_running_loop().create_task(self.kv_feed.detach(ep.url))
 

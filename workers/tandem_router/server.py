@@ -60,7 +60,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     except BadRequest as e:
         return error_response(400, str(e), "invalid_request_error", e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    rreq = router.routing_request(parsed, request.headers.get(cfg.session_header))
+    rreq = await router.routing_request(parsed, request.headers.get(cfg.session_header))
     # Only what the engine needs crosses: no client Authorization (the engines know no API key).
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     route = request.path
@@ -95,7 +95,7 @@ async def route_only(request: web.Request) -> web.Response:
         parsed = parse_request(kind, await request.read())
     except BadRequest as e:
         return error_response(400, str(e), "invalid_request_error", e.param)
-    rreq = router.routing_request(parsed, request.headers.get(router.config.session_header))
+    rreq = await router.routing_request(parsed, request.headers.get(router.config.session_header))
     pool = router.decode
     candidates = sorted(pool.healthy(), key=lambda e: e.url)
     if not candidates:
