@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -137,6 +138,46 @@ def test_pd_router_prefills_remotely_and_equals_engine_greedy(stack: Stack, chat
     assert router_count(DECISIONS) == 2
     # ... and decode read each prompt's KV blocks from the prefill engine over NIXL.
     assert settled(lambda: scrape(decode, RECEIVED) - received, blocks) == blocks
+
+
+def test_pd_next_turn_goes_to_the_decode_engine_holding_the_conversation(stack: Stack, tmp_path: Path) -> None:
+    """A prefix-aware P/D router over all three engines: turn 1 is prefilled remotely and its KV lands on
+    one decode engine (which publishes it); turn 2 goes to that engine, whose exact cached length makes
+    the rest short enough to prefill there, and the engine's reported hit is what the router predicted."""
+    argv = ["--prefill", stack.prefill, "--decode", ",".join(stack.decode), "--policy", "prefix-aware",
+            "--health-interval", "0.5"]
+    router = tandem_child("kv-router", "route", argv, tmp_path / "kv-router.log", die_with_parent=False).start()
+    try:
+        router.wait_healthy(timeout=30)
+        turn1 = messages("A conversation about harbours. ")
+        probe = {"model": MODEL, "messages": turn1}
+        deadline = time.monotonic() + 60
+        while not httpx.post(router.url + "/route/v1/chat/completions", json=probe, timeout=10).json()["exact"]:
+            assert time.monotonic() < deadline, "the router does not follow the engines' KV events"
+            time.sleep(0.2)
+        body = {"model": MODEL, "max_tokens": 12, "temperature": 0.0}
+        first = httpx.post(router.url + "/v1/chat/completions", json={**body, "messages": turn1}, timeout=120).json()
+        turn2 = [*turn1, first["choices"][0]["message"], {"role": "user", "content": "And of Portugal?"}]
+        ask = {**body, "messages": turn2}
+        deadline = time.monotonic() + 30
+        while not (where := httpx.post(router.url + "/route/v1/chat/completions", json=ask, timeout=10).json())[
+                "cached_tokens"]:
+            assert time.monotonic() < deadline, "turn 1's KV never showed up in the index"
+            time.sleep(0.2)
+        holder, cached = where["endpoint"], where["cached_tokens"][where["endpoint"]]
+        assert where["reason"] == "prefix_hit" and list(where["cached_tokens"]) == [holder]
+        assert where["prompt_tokens"] - cached <= 32  # the default remote-prefill threshold
+        served = scrape(holder, "vllm:request_success_total")
+        second = httpx.post(router.url + "/v1/chat/completions", json=ask, timeout=120).json()
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == min(cached, second["usage"][
+            "prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert settled(lambda: scrape(holder, "vllm:request_success_total") - served, 1) == 1
+        text = httpx.get(router.url + "/metrics", timeout=10).text
+        assert metric(text, DECISIONS, decision="remote") == 1
+        assert metric(text, DECISIONS, decision="local_short_uncached") == 1
+        assert metric(text, "tandem:router_prefix_index_lookups_total", role="decode", index="exact") >= 2
+    finally:
+        router.stop()
 
 
 def test_kill_an_engine_under_load_then_readmit(stack: Stack) -> None:

@@ -111,7 +111,9 @@ class Router:
         if hashes is not None and tok is not None and all(self.kv_feed.covers(e.url) for e in candidates):
             block_size = tok.block_size  # what `hashes` were cut by
             sizes = {e.url: self.kv_index.size(e.url) for e in candidates}
-            return PrefixView(self.kv_index.match(hashes), block_size, len(hashes), True, sizes)
+            # One index for both pools: keep the candidates' entries (a prefill engine holds prompts too).
+            matches = {u: n for u, n in self.kv_index.match(hashes).items() if u in sizes}
+            return PrefixView(matches, block_size, len(hashes), True, sizes)
         if not rreq.block_hashes:
             return PrefixView({}, 1.0, 0, False)
         sizes = {e.url: pool.index.size(e.url) for e in candidates}
