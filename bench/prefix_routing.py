@@ -51,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=300, help="system prompt, ~tokens")
     p.add_argument("--turn-len", type=int, default=24, help="user message, ~tokens")
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4, help="conversations in flight at most")
+    p.add_argument("--request-rate", type=float, default=0.6, help="conversations starting per second (Poisson)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kv-blocks", type=int, default=192, help="KV blocks (of 16 tokens) per engine")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -120,8 +121,9 @@ async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -
     per = max(1, a.concurrency // len(routers))
     try:
         runs = await asyncio.gather(*(
-            run(Target(url, MODEL, "chat", a.output_len, before=before), part, per, None, a.seed)
-            for url, part in zip(routers, parts, strict=True)))
+            run(Target(url, MODEL, "chat", a.output_len, before=before), part, per, a.request_rate / len(routers),
+                a.seed + i)
+            for i, (url, part) in enumerate(zip(routers, parts, strict=True))))
     finally:
         await http.close()
     records = sorted((r for recs, _ in runs for r in recs), key=lambda r: r.start)
@@ -129,8 +131,9 @@ async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -
 
 
 def ideal_hit_rate(records: list[Record], tok: PromptTokenizer, block_size: int) -> float:
-    """One engine with an unbounded cache, the prompts in the order they started: each hits the
-    longest run of leading blocks any earlier prompt had (the last token is always computed)."""
+    """One engine with an unbounded cache, the requests in the order they started: each hits the
+    longest run of leading blocks cached before it (the last prompt token is always computed), and
+    leaves its prompt and its answer cached (a next turn's history holds that answer)."""
     seen: set[int] = set()
     hits = queries = 0
     for r in records:
@@ -139,7 +142,7 @@ def ideal_hit_rate(records: list[Record], tok: PromptTokenizer, block_size: int)
         matched = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
         hits += min(matched, (len(ids) - 1) // block_size) * block_size
         queries += len(ids)
-        seen.update(hashes)
+        seen.update(tok.block_hashes(ids + tok.prompt_ids(r.text, add_special_tokens=False)))
     return hits / queries
 
 
@@ -210,7 +213,8 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], load: list[float])
         f"colocated engines ({' '.join(engine_args(a))}, KV events on, each pinned to its share of the cores) "
         f"behind `tandem route`; {a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
         f"{a.turns} turns of ~{a.turn_len} words carrying the history, {a.output_len} output tokens, "
-        f"{a.concurrency} conversations in flight. prefix-aware runs as two router replicas (sessions alternate); "
+        f"conversations starting at {a.request_rate}/s (Poisson), at most {a.concurrency} in flight. "
+        "prefix-aware runs as two router replicas (sessions alternate); "
         "agreement = both answer the same engine to `POST /route/...` just before each request. Ideal = one "
         "engine with an unbounded cache on the same prompts in the same order.",
         "",

@@ -232,18 +232,18 @@ def test_prefix_aware_ties_and_cold_prompts_follow_the_ring_so_replicas_agree() 
     assert picks == {a[0].endpoint.url}
 
 
-def test_prefix_aware_cold_prompt_skips_a_busy_ring_place() -> None:
-    e = eps(2)
+def test_prefix_aware_cold_prompt_goes_to_its_ring_place_among_the_least_loaded() -> None:
+    e = eps(3)
     r = RoutingRequest(block_hashes("a brand new conversation " * 4, 8, 64), 25, 10)
+    order = [u for u in PrefixAware()._ring_order(e, r)]
     owner = PrefixAware().choose(e, r, NO_PREFIX).endpoint
-    other = e[1] if owner is e[0] else e[0]
-    for _ in range(2):  # within the slack (2): still the ring's choice
-        owner.acquire(1)
-    assert PrefixAware().choose(e, r, NO_PREFIX).endpoint is owner
-    owner.acquire(1)
-    assert PrefixAware().choose(e, r, NO_PREFIX).endpoint is other
+    assert owner.url == order[0]
+    owner.acquire(1)  # busier than the others: the next idle one in ring order
+    assert PrefixAware().choose(e, r, NO_PREFIX).endpoint.url == order[1]
+    # With slack, the ring place keeps it until it is that far above the least loaded.
+    assert PrefixAware(ScoreWeights(cold_queue_slack=1)).choose(e, r, NO_PREFIX).endpoint is owner
     # A prefix cached below the useful fraction counts as cold too.
-    tiny = exact({other.url: 0}, r)
+    tiny = exact({order[2]: 0}, r)
     assert PrefixAware().choose(e, r, tiny).reason == "cold_hash"
 
 

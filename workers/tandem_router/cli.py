@@ -73,12 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--min-prefix-fraction", type=float, default=d.min_prefix_fraction,
                        help="a prompt cached less than this anywhere is cold: consistent-hash placement")
     score.add_argument("--cold-queue-slack", type=int, default=d.cold_queue_slack,
-                       help="a cold prompt skips its ring place when that is this many requests above the least loaded")
+                       help="a cold prompt goes to the first engine in its ring order within this many "
+                       "requests of the least loaded")
     score.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=d.kv_events,
                        help="follow engines' KV events into an exact index (else: what the router sent)")
     p.add_argument("--block-chars", type=int, default=d.block_chars)
     p.add_argument("--index-capacity-blocks", type=int, default=d.index_capacity_blocks)
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                   help="endpoints tried per request before the first byte")
+    p.add_argument("--max-migrations", type=int, default=d.max_migrations,
+                   help="times a broken answer is resumed on another engine (0: never)")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
     p.add_argument("--read-timeout", type=float, default=d.read_timeout)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)

@@ -34,9 +34,10 @@ class RouterConfig:
     queue_weight: float = 1.0
     kv_usage_weight: float = 1.0
     min_prefix_fraction: float = 0.1
-    cold_queue_slack: int = 2
+    cold_queue_slack: int = 0
     kv_events: bool = True  # follow engines' KV events into the exact index when they publish them
     max_attempts: int = 3  # tries per request, on different endpoints, before the first byte only
+    max_migrations: int = 2  # a broken stream resumed on another engine at most this often (0: never)
     connect_timeout: float = 3.0
     read_timeout: float = 120.0  # longest silence from an upstream, headers or body
     request_timeout: float = 1800.0

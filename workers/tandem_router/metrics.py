@@ -68,6 +68,10 @@ class RouterMetrics:
         self.kv_index_blocks = Gauge(
             "tandem:router_kv_index_blocks", "Block hashes in the exact KV index, over every engine", registry=r,
         )
+        self.migrations = counter(
+            "tandem:router_migrations_total", ("reason",),
+            "Streams resumed on another engine after theirs broke: connection, error_event, timeout or eof",
+        )
         # How long they took.
         self.ttft = histogram("tandem:router_time_to_first_token_seconds", ("endpoint",),
                               "Time from request arrival to the first byte of the answer, per endpoint")
@@ -75,6 +79,11 @@ class RouterMetrics:
                                  "End-to-end request latency through the router, per endpoint")
         self.prefill_latency = histogram("tandem:router_prefill_latency_seconds", ("endpoint",),
                                          "Time spent on the remote prefill leg, per prefill endpoint")
+        self.migration_resume = Histogram(
+            "tandem:router_migration_resume_seconds",
+            "From a stream's break to the first chunk of its continuation on another engine",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.overhead = Histogram(
             "tandem:router_overhead_seconds", "Router time before the upstream request is sent (parse, hash, pick)",
             buckets=OVERHEAD_BUCKETS, registry=r,

@@ -71,7 +71,7 @@ class ScoreWeights:
     queue: float = 1.0  # per QUEUE_SCALE requests queued beyond the least loaded candidate
     kv_usage: float = 1.0  # per unit of the engine's KV-cache usage (0-1), from its /metrics
     min_prefix_fraction: float = 0.1  # below this nowhere, a prompt is cold
-    cold_queue_slack: int = 2  # a cold prompt's ring place is skipped this far above the least loaded
+    cold_queue_slack: int = 0  # a cold prompt's ring place is skipped when this far above the least loaded
 
 
 def queue_depth(e: Endpoint) -> int:
@@ -150,8 +150,9 @@ class PrefixAware(_RingMixin, Policy):
     the exact KV index when every candidate publishes KV events, else from the router's own record of
     what it sent. A prompt cached nowhere (less than `min_prefix_fraction`) is cold: it goes to its
     place on a consistent-hash ring (keyed by its first `cold_key_blocks` blocks, so replicas agree and
-    a new prefix's followers meet it), skipping candidates more than `cold_queue_slack` requests above
-    the least loaded. Ties go to the earliest candidate in ring order, again so that replicas agree."""
+    a new prefix's followers meet it), or to the next one clockwise among the least loaded (within
+    `cold_queue_slack` requests of them). Ties go to the earliest candidate in ring order, again so that
+    replicas agree."""
 
     name = "prefix-aware"
 
@@ -165,10 +166,8 @@ class PrefixAware(_RingMixin, Policy):
         hashes = req.block_hashes
         if not hashes:
             return self._fallback.choose(candidates, req, prefix)
-        self._ring.set_members({e.url for e in candidates})
         by_url = {e.url: e for e in candidates}
-        key = hashes[min(len(hashes), self.cold_key_blocks) - 1]
-        order = [by_url[u] for u in self._ring.walk(key)]
+        order = [by_url[u] for u in self._ring_order(candidates, req)]
         depth = {e.url: queue_depth(e) for e in order}
         least = min(depth.values())
         hit = {e.url: prefix.cached_fraction(e.url, req.prompt_tokens) for e in order}
@@ -183,6 +182,11 @@ class PrefixAware(_RingMixin, Policy):
         best = max(order, key=score)  # the first of equal scores in ring order
         reason = "prefix_hit" if hit[best.url] == max(hit.values()) else "overflow"
         return Decision(best, reason, prefix.matches.get(best.url, 0), prefix.matches)
+
+    def _ring_order(self, candidates: list[Endpoint], req: RoutingRequest) -> list[str]:
+        """Candidate URLs clockwise from the prompt's place (its first `cold_key_blocks` text blocks)."""
+        self._ring.set_members({e.url for e in candidates})
+        return list(self._ring.walk(req.block_hashes[min(len(req.block_hashes), self.cold_key_blocks) - 1]))
 
 
 class BoundedPrefix(_RingMixin, Policy):

@@ -60,12 +60,17 @@ class Upstream:
     resp: aiohttp.ClientResponse
     tokens: int
     router: Router
+    closed: bool = False
 
     @property
     def endpoint(self) -> Endpoint:
         return self.decision.endpoint
 
     def close(self) -> None:
+        """Idempotent: the endpoint's load is released once."""
+        if self.closed:
+            return
+        self.closed = True
         # An unfinished body (client gone, engine cut off) must not return its connection to the pool:
         # closing it is also what tells the engine to abort the request.
         if self.resp.content.at_eof():
@@ -86,12 +91,13 @@ async def open_upstream(
     tokens: int | None = None,
     method: str = "POST",
     t_start: float | None = None,
+    exclude: set[str] | None = None,
 ) -> Upstream:
-    """Try endpoints of `pool` until one answers with a status worth relaying."""
+    """Try endpoints of `pool` (but not those in `exclude`) until one answers with a status worth relaying."""
     metrics = router.metrics
     role = pool.role.value
     tokens = rreq.load_tokens if tokens is None else tokens
-    tried: set[str] = set()
+    tried: set[str] = set(exclude or ())
     last = NoEndpoint(f"no healthy {role} endpoint")
     for attempt in range(router.config.max_attempts):
         decision = first if attempt == 0 and first is not None and first.endpoint.healthy else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -14,6 +15,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from tandem_router.config import RouterConfig
+from tandem_router.migration import can_migrate, relay_resumable, relay_whole, with_token_ids
 from tandem_router.pd import ClientErrorFromPrefill, open_pd
 from tandem_router.policies import RoutingRequest
 from tandem_router.proxy import NoEndpoint, error_response, open_upstream, relay
@@ -64,11 +66,17 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     # Only what the engine needs crosses: no client Authorization (the engines know no API key).
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     route = request.path
+    # A stream that may be resumed elsewhere asks its engine for token ids (docs/architecture.md).
+    resumable = cfg.max_migrations > 0 and can_migrate(parsed)
+    sent = parsed
+    if resumable:
+        body = with_token_ids(parsed.body)
+        sent = dataclasses.replace(parsed, body=body, raw=json.dumps(body).encode())
     try:
         if router.pd_mode:
-            up = await open_pd(router, route, parsed, rreq, headers, t_start)
+            up = await open_pd(router, route, sent, rreq, headers, t_start)
         else:
-            up = await open_upstream(router, router.decode, route, parsed.raw, rreq, headers, t_start=t_start)
+            up = await open_upstream(router, router.decode, route, sent.raw, rreq, headers, t_start=t_start)
     except NoEndpoint as e:
         router.metrics.requests.labels(route, "", str(e.status)).inc()
         return e.response()
@@ -80,7 +88,12 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         logger.info("client of request %s went away before the first byte", request_id)
         raise
     url = up.endpoint.url
-    resp = await relay(router, request, up, request_id, t_start)
+    if resumable:
+        resp = await relay_resumable(router, request, up, parsed, rreq, headers, request_id, t_start)
+    elif not parsed.stream and cfg.max_migrations > 0:
+        resp = await relay_whole(router, request, up, parsed, route, rreq, headers, request_id, t_start)
+    else:
+        resp = await relay(router, request, up, request_id, t_start)
     router.metrics.requests.labels(route, url, str(resp.status)).inc()
     router.metrics.latency.labels(url).observe(time.perf_counter() - t_start)
     return resp
