@@ -263,8 +263,9 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
             if body is None or state.migrations >= cfg.max_migrations:
                 why = "no prompt token ids to resume from" if body is None else \
                     f"{state.migrations} migrations already (--max-migrations)"
-                await out.write(sse(error_body(502, f"the engine serving this request failed mid-stream "
-                                                    f"({brk.message}); not resumed: {why}", "upstream_error")))
+                status = 504 if brk.reason == "timeout" else 502
+                await out.write(sse(error_body(status, f"the engine serving this request failed mid-stream "
+                                                       f"({brk.message}); not resumed: {why}", "upstream_error")))
                 await out.write(sse("[DONE]"))
                 break
             try:
