@@ -4,8 +4,8 @@ Workload: many multi-turn chat conversations that share long system prompts (`ta
 shared-prefix sessions: each turn carries the whole history), interleaved, several in flight. For each
 pool size (2 and 4 colocated engines, KV events on, KV caches small enough that one engine cannot hold
 every prefix) and each policy, fresh engines and router(s) run the same sessions one policy after the
-other. The prefix-aware run goes through two router replicas (sessions alternate between them, as
-behind a load balancer); before every request both are asked where they would send it
+other. Every run goes through two router replicas (conversations start at Poisson times and alternate
+between them, as behind a load balancer); before every request both are asked where they would send it
 (`POST /route/...`), which gives their agreement.
 
 Reported per run: the engines' prefix-cache hit rate (`vllm:prefix_cache_hits / queries`), TTFT
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -31,14 +32,14 @@ from typing import Any
 import aiohttp
 from harness import MODEL, RESULTS
 
-from tandem_router.bench.client import Record, Target, run, scrape_prefix_cache
+from tandem_router.bench.client import Record, Target, run_session, scrape_prefix_cache
 from tandem_router.bench.stats import summarize
-from tandem_router.bench.workload import shared_prefix_sessions
+from tandem_router.bench.workload import Session, shared_prefix_sessions
 from tandem_router.procs import Child, free_port_pair, stop_all, tandem_child
 from tandem_router.tokenizer import PromptTokenizer, fetch_tokenizer
 
 POLICIES = ("round-robin", "least-load", "bounded-prefix", "prefix-aware")
-REPLICAS = {"prefix-aware": 2}  # router replicas per policy (agreement is measured where there are two)
+REPLICAS = 2  # router replicas per policy, as a deployment would run them; their agreement is measured
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,7 +79,7 @@ def start(a: argparse.Namespace, n: int, policy: str, logs: Path, children: list
         c.wait_healthy(600)
     urls = [c.url for c in engines]
     routers = []
-    for r in range(REPLICAS.get(policy, 1)):
+    for r in range(REPLICAS):
         argv = ["--decode", ",".join(urls), "--policy", policy, "--health-interval", "1"]
         router = tandem_child(f"router-{r}", "route", argv, logs / f"{policy}-{n}-router-{r}.log").start()
         children.append(router)
@@ -104,30 +105,37 @@ async def wait_following(routers: list[str], engines: list[str]) -> None:
 
 
 async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -> tuple[list[Record], float, list]:
-    """The sessions, split across the router replicas; with two, both are asked before each request."""
+    """The sessions start at Poisson times and alternate between the router replicas (a load balancer in
+    front of them), at most `concurrency` in flight; with two replicas both are asked before each request."""
     sessions = shared_prefix_sessions(a.groups, a.users, a.turns, a.prefix_len, a.turn_len, a.seed)
     agreement: list[tuple[str, ...]] = []
-    http = aiohttp.ClientSession()
+    records: list[Record] = []
+    rng = random.Random(a.seed)
+    limit = asyncio.Semaphore(a.concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
 
-    async def ask(path: str, body: dict[str, Any], rec: Record) -> None:
-        answers = []
-        for url in routers:
-            async with http.post(url + "/route" + path, json=body) as resp:
-                answers.append((await resp.json())["endpoint"])
-        agreement.append(tuple(answers))
+        async def ask(path: str, body: dict[str, Any], rec: Record) -> None:
+            answers = []
+            for url in routers:
+                async with http.post(url + "/route" + path, json=body) as resp:
+                    answers.append((await resp.json())["endpoint"])
+            agreement.append(tuple(answers))
 
-    before = ask if len(routers) > 1 else None
-    parts = [sessions[i::len(routers)] for i in range(len(routers))]
-    per = max(1, a.concurrency // len(routers))
-    try:
-        runs = await asyncio.gather(*(
-            run(Target(url, MODEL, "chat", a.output_len, before=before), part, per, a.request_rate / len(routers),
-                a.seed + i)
-            for i, (url, part) in enumerate(zip(routers, parts, strict=True))))
-    finally:
-        await http.close()
-    records = sorted((r for recs, _ in runs for r in recs), key=lambda r: r.start)
-    return records, max(d for _, d in runs), agreement
+        before = ask if len(routers) > 1 else None
+        targets = [Target(url, MODEL, "chat", a.output_len, before=before) for url in routers]
+        t0 = time.perf_counter()
+
+        async def one(k: int, session: Session) -> None:
+            async with limit:
+                await run_session(http, targets[k % len(targets)], session, t0, records)
+
+        tasks = []
+        for k, session in enumerate(sessions):
+            tasks.append(asyncio.create_task(one(k, session)))
+            await asyncio.sleep(rng.expovariate(a.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return sorted(records, key=lambda r: r.start), duration, agreement
 
 
 def ideal_hit_rate(records: list[Record], tok: PromptTokenizer, block_size: int) -> float:
@@ -213,9 +221,9 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], load: list[float])
         f"colocated engines ({' '.join(engine_args(a))}, KV events on, each pinned to its share of the cores) "
         f"behind `tandem route`; {a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
         f"{a.turns} turns of ~{a.turn_len} words carrying the history, {a.output_len} output tokens, "
-        f"conversations starting at {a.request_rate}/s (Poisson), at most {a.concurrency} in flight. "
-        "prefix-aware runs as two router replicas (sessions alternate); "
-        "agreement = both answer the same engine to `POST /route/...` just before each request. Ideal = one "
+        f"conversations starting at {a.request_rate}/s (Poisson), at most {a.concurrency} in flight, "
+        "alternating between two router replicas of the policy; agreement = both answer the same engine to "
+        "`POST /route/...` just before each request. Ideal = one "
         "engine with an unbounded cache on the same prompts in the same order.",
         "",
         "| engines | policy | hit rate | ideal | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | replicas agree "
