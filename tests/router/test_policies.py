@@ -195,19 +195,24 @@ def test_prefix_aware_spills_when_the_queue_outweighs_the_hit() -> None:
     e = eps(2)
     r = RoutingRequest(block_hashes(SYSTEM, 8, 64), 160, 10)
     held = exact({e[0].url: 9}, r)
-    for _ in range(10):  # 3 * 0.9 = 2.7 > 10 / 4: still worth waiting for
+    for _ in range(2):  # 3 * 0.9 = 2.7 > 2: still worth waiting for
         e[0].acquire(1)
     assert PrefixAware().choose(e, r, held).endpoint is e[0]
-    for _ in range(2):  # 2.7 < 12 / 4: the idle engine's full prefill is the better bet
-        e[0].acquire(1)
+    e[0].acquire(1)  # 2.7 < 3: the idle engine's full prefill is the better bet
     d = PrefixAware().choose(e, r, held)
     assert (d.endpoint, d.reason) == (e[1], "overflow")
     # The engine's own count (other routers' requests) weighs the same as this router's.
     f = eps(2)
-    f[0].engine_queue = 12
+    f[0].engine_queue = 3
     assert PrefixAware().choose(f, r, exact({f[0].url: 9}, r)).endpoint is f[1]
     # A heavier prefix weight keeps it.
     assert PrefixAware(ScoreWeights(prefix=20.0)).choose(e, r, held).endpoint is e[0]
+    # A small advantage (both hold the system prompt, one also the last turn) yields to one request less.
+    both = exact({e[0].url: 9, e[1].url: 8}, r)
+    g = eps(2)
+    assert PrefixAware().choose(g, r, both).endpoint is g[0]
+    g[0].acquire(1)
+    assert PrefixAware().choose(g, r, both).endpoint is g[1]
 
 
 def test_prefix_aware_prefers_the_engine_with_free_kv_cache_among_equal_hits() -> None:

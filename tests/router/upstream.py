@@ -33,6 +33,8 @@ class Answer:
     body: dict[str, Any]
     chat: bool
     pieces: list[str]
+    ids: list[int] = field(default_factory=list)  # the pieces' token ids (positional upstreams)
+    prompt_ids: list[int] = field(default_factory=list)
 
     @property
     def object(self) -> str:
@@ -40,8 +42,8 @@ class Answer:
 
     @property
     def usage(self) -> dict[str, int]:
-        n = len(self.pieces)
-        return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+        n, p = len(self.pieces), len(self.prompt_ids) or 5
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     def complete(self, kv_out: dict[str, Any] | None) -> dict[str, Any]:
         text = "".join(self.pieces)
@@ -54,12 +56,17 @@ class Answer:
                 "model": self.body.get("model"), "choices": [choice], "usage": self.usage,
                 "kv_transfer_params": kv_out}
 
-    def delta(self, piece: str) -> list[dict[str, Any]]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+    def delta(self, i: int) -> list[dict[str, Any]]:
+        last = i == len(self.pieces) - 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last and self.ids else None}
         if self.chat:
-            choice["delta"] = {"content": piece}
+            choice["delta"] = {"content": self.pieces[i]}
         else:
-            choice["text"] = piece
+            choice["text"] = self.pieces[i]
+        if self.ids and self.body.get("return_token_ids"):
+            choice["token_ids"] = [self.ids[i]]
+            if i == 0 and not self.chat:
+                choice["prompt_token_ids"] = self.prompt_ids
         return [choice]
 
     def sse(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -77,6 +84,10 @@ class TestUpstream:
     token_delay: float = 0.0
     status: int = 200  # answer this status (with an OpenAI error body) instead of generating
     cut_after: int | None = None  # close the connection abruptly after this many streamed tokens
+    # Like an engine that samples by position: the token at absolute position p (prompt + output) is id p
+    # with text " w{p}"; a text prompt is 5 tokens, a token-id prompt is itself. With `return_token_ids` the
+    # chunks carry ids, as a real engine's do, so the router can resume an answer on another upstream.
+    positional: bool = False
     healthy: bool = True
     seen: list[Seen] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)  # X-Request-Ids whose client went away
@@ -112,6 +123,12 @@ class TestUpstream:
             return web.json_response({"error": err}, status=self.status)
         n = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
         answer = Answer(rid, body, request.path.endswith("chat/completions"), self.text(n))
+        if self.positional:
+            prompt = body.get("prompt")
+            answer.prompt_ids = list(prompt) if isinstance(prompt, list) else list(range(5))
+            start = len(answer.prompt_ids)
+            answer.ids = list(range(start, start + n))
+            answer.pieces = [f" w{p}" for p in answer.ids]
         if body.get("stream"):
             return await self._stream(request, answer)
         try:
@@ -126,13 +143,15 @@ class TestUpstream:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
-            for i, piece in enumerate(answer.pieces):
+            for i in range(len(answer.pieces)):
                 if self.cut_after is not None and i >= self.cut_after:
                     assert request.transport is not None
                     request.transport.abort()  # like a killed process: no terminating chunk
                     return resp
                 await asyncio.sleep(self.token_delay)
-                await resp.write(answer.sse(answer.delta(piece)))
+                top = {"prompt_token_ids": answer.prompt_ids} if (
+                    i == 0 and answer.chat and answer.ids and answer.body.get("return_token_ids")) else {}
+                await resp.write(answer.sse(answer.delta(i), **top))
             if (answer.body.get("stream_options") or {}).get("include_usage"):
                 await resp.write(answer.sse([], usage=answer.usage))
             await resp.write(b"data: [DONE]\n\n")

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--prefix-weight", type=float, default=d.prefix_weight,
                        help="score per unit of the prompt's cached fraction on a candidate")
     score.add_argument("--queue-weight", type=float, default=d.queue_weight,
-                       help="score lost per 4 requests queued beyond the least loaded candidate")
+                       help="score lost per request queued beyond the least loaded candidate")
     score.add_argument("--kv-usage-weight", type=float, default=d.kv_usage_weight,
                        help="score lost per unit of the engine's KV-cache usage (from its /metrics)")
     score.add_argument("--min-prefix-fraction", type=float, default=d.min_prefix_fraction,

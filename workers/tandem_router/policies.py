@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from tandem_router.hashing import HashRing, hash64
 from tandem_router.pool import Endpoint
 
-QUEUE_SCALE = 4  # the queue term counts requests beyond the least loaded candidate, in fours
-
 
 @dataclass
 class RoutingRequest:
@@ -68,7 +66,7 @@ class ScoreWeights:
     """The prefix-aware policy's weights (`tandem route --prefix-weight ...`; docs/operations.md)."""
 
     prefix: float = 3.0  # per unit of cached-prefix fraction (0-1)
-    queue: float = 1.0  # per QUEUE_SCALE requests queued beyond the least loaded candidate
+    queue: float = 1.0  # per request queued beyond the least loaded candidate
     kv_usage: float = 1.0  # per unit of the engine's KV-cache usage (0-1), from its /metrics
     min_prefix_fraction: float = 0.1  # below this nowhere, a prompt is cold
     cold_queue_slack: int = 0  # a cold prompt's ring place is skipped when this far above the least loaded
@@ -176,7 +174,7 @@ class PrefixAware(_RingMixin, Policy):
             return Decision(ep, "cold_hash", 0, prefix.matches)
 
         def score(e: Endpoint) -> float:
-            load = (depth[e.url] - least) / QUEUE_SCALE
+            load = depth[e.url] - least
             return self.w.prefix * hit[e.url] - self.w.queue * load - self.w.kv_usage * (e.kv_usage or 0.0)
 
         best = max(order, key=score)  # the first of equal scores in ring order
