@@ -13,7 +13,7 @@ p50/p99 and e2e; per pool size the ideal hit rate: one engine with an unbounded 
 prompts in the same order (tokenized and hashed exactly as the engines do). Results:
 bench/results/prefix_routing.{json,md,png}.
 
-    .venv/bin/python bench/prefix_routing.py [--engines 2,4 --groups 8 --users 3 --turns 3]
+    .venv/bin/python bench/prefix_routing.py [--engines 2,4 --groups 6 --users 3 --turns 4 --kv-blocks 128]
 """
 
 from __future__ import annotations
@@ -46,16 +46,17 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--engines", default="2,4", help="pool sizes, comma-separated")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--groups", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--groups", type=int, default=6, help="distinct system prompts")
     p.add_argument("--users", type=int, default=3, help="conversations per system prompt")
-    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--turns", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=300, help="system prompt, ~tokens")
-    p.add_argument("--turn-len", type=int, default=24, help="user message, ~tokens")
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--turn-len", type=int, default=40, help="user message, ~tokens")
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight at most")
     p.add_argument("--request-rate", type=float, default=0.6, help="conversations starting per second (Poisson)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--kv-blocks", type=int, default=192, help="KV blocks (of 16 tokens) per engine")
+    p.add_argument("--kv-blocks", type=int, default=128,
+                   help="KV blocks (of 16 tokens) per engine: less than all system prompts and conversations")
     p.add_argument("--max-model-len", type=int, default=1024)
     return p.parse_args()
 
