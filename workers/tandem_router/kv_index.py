@@ -27,6 +27,7 @@ from tandem_router.kv_events import (
     fetch_info,
     publisher_host,
 )
+from tandem_router.prefix_index import leading_matches
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +77,8 @@ class KVIndex:
     def match(self, hashes: list[int]) -> dict[str, int]:
         """Leading blocks of `hashes` held per engine URL (the best of its ranks); engines with none omitted."""
         out: dict[str, int] = {}
-        alive: set[Publisher] | None = None
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for pub in alive:
-                out[pub.url] = i + 1
+        for pub, n in leading_matches(hashes, self._holders).items():
+            out[pub.url] = max(out.get(pub.url, 0), n)
         return out
 
     def held(self, pub: Publisher) -> frozenset[int]:

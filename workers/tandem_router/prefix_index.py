@@ -8,6 +8,27 @@ bound and forgets what an engine has most likely evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+def leading_matches(hashes: list[int], holders: Mapping[int, set[K]]) -> dict[K, int]:
+    """For every holder of the first block, how many leading blocks of `hashes` it holds without a gap
+    (an engine's prefix-cache lookup stops at its first miss); holders of none are omitted."""
+    out: dict[K, int] = {}
+    alive: set[K] | None = None
+    for i, h in enumerate(hashes):
+        held = holders.get(h)
+        if not held:
+            break
+        alive = set(held) if alive is None else alive & held
+        if not alive:
+            break
+        for key in alive:
+            out[key] = i + 1
+    return out
 
 
 class PrefixIndex:
@@ -18,18 +39,7 @@ class PrefixIndex:
 
     def match(self, hashes: list[int]) -> dict[str, int]:
         """Number of leading blocks of `hashes` recorded per endpoint (endpoints with none omitted)."""
-        out: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for url in alive:
-                out[url] = i + 1
-        return out
+        return leading_matches(hashes, self._holders)
 
     def insert(self, url: str, hashes: list[int]) -> None:
         lru = self._lru.setdefault(url, OrderedDict())
