@@ -18,6 +18,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVFailurePolicy = Literal["fail", "recompute"]
 KVConnectorName = Literal["NixlConnector"]  # the one connector today; the CRD names it too
 AttentionBackendName = Literal["auto", "torch", "triton"]
+SchedulingPolicy = Literal["fcfs", "priority"]  # vLLM's: arrival order, or (priority, arrival)
 
 SERVED_MODEL_NAME_ENV = "TANDEM_SERVED_MODEL_NAME"  # set by the operator on every engine pod
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
@@ -48,6 +49,10 @@ class EngineConfig:
     # Scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # The API server answers 429 rather than let more requests than this wait for a free running slot
+    # (docs/operations.md, "Overload: priorities and the waiting bound").
+    max_waiting_requests: int = 1024
     # Parallel
     data_parallel_size: int = 1
     num_threads: int | None = None  # torch threads per EngineCore; None: the CPUs we may use / DP size
@@ -70,6 +75,11 @@ class EngineConfig:
     cache_dir: str = field(default_factory=default_cache_dir)
     # Start-up
     ready_timeout_s: float = 600.0
+
+    @property
+    def max_running_requests(self) -> int:
+        """Requests all EngineCores behind this API server can run at once."""
+        return self.max_num_seqs * self.data_parallel_size
 
     def kv_events_ports(self, rank: int) -> tuple[int, int]:
         """The PUB and replay ports of data-parallel rank `rank` (kv_events_port must be set)."""

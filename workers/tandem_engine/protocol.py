@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: list[int]
     arrival_time: float
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # lower is served first under --scheduling-policy priority
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -46,6 +46,7 @@ class Request:
         eos_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -53,6 +54,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.kv_transfer_params = kv_transfer_params
+        self.priority = priority
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.output_token_ids: list[int] = []
@@ -63,8 +65,6 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list[int] = []
-        # Sampler state: the per-request torch.Generator of a seeded request (created lazily).
-        self.generator: Any = None
         self.first_scheduled_time: float | None = None
 
     @classmethod
@@ -76,6 +76,7 @@ class Request:
             req.eos_token_ids,
             req.arrival_time,
             req.kv_transfer_params,
+            req.priority,
         )
 
     @property

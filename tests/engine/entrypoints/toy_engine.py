@@ -4,7 +4,8 @@ of OpenAI-shaped answers.
 `ToyEngine` tokenizes text as one token per character (id = code point, BOS = 1) and generates the
 letters a, b, c, ... starting at `seed % 26`, one token per delta, with logprobs -0.5 per step; given
 `pieces`, it generates those byte strings instead, as a byte-level tokenizer splits a character. Its GET
-/tokenizer serves the same tokenizer (for ASCII text) as `tokenizers` and jinja2 write it.
+/tokenizer serves the same tokenizer (for ASCII text) as `tokenizers` and jinja2 write it. Given a
+`waiting_bound`, it refuses requests past it as the real frontend does, counting its open streams.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import prometheus_client
 import uvicorn
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 
+from tandem_engine.config import SchedulingPolicy
 from tandem_engine.core.block_pool import HASH_SPEC
 from tandem_engine.entrypoints.api_server import build_app
+from tandem_engine.frontend.admission import WaitingBound
 from tandem_engine.frontend.interface import (
     EngineClient,
     EngineDeadError,
@@ -73,6 +76,10 @@ class ToyEngine(EngineClient):
         self.delay = 0.0
         self.pieces: list[bytes] | None = None  # the tokens' bytes to generate instead of letters
         self.slow_tokenizer = False  # GET /tokenizer has nothing to serve
+        self.scheduling_policy: SchedulingPolicy = "fcfs"
+        self.waiting_bound: WaitingBound | None = None
+        self.in_flight = 0
+        self.priorities: dict[str, int] = {}
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if "BUG" in text:
@@ -95,8 +102,13 @@ class ToyEngine(EngineClient):
         return toy_tokenizer_spec()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.calls.append((request_id, prompt_token_ids, params, kv_transfer_params))
+        self.priorities[request_id] = priority
+        if self.waiting_bound is not None:
+            self.waiting_bound.check(self.in_flight + 1)
+        self.in_flight += 1
         finished = False
         try:
             if self.dead is not None:
@@ -137,6 +149,7 @@ class ToyEngine(EngineClient):
                 if finished:
                     return
         finally:
+            self.in_flight -= 1
             if not finished:
                 self.cancelled.append(request_id)
 

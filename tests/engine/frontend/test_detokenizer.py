@@ -56,7 +56,7 @@ def test_text_stream_holds_partial_characters(tokenizer: Any) -> None:
 async def test_output_processor_logprobs_carry_token_bytes(tokenizer: Any) -> None:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     proc = OutputProcessor(tokenizer, EngineMetrics("m"))
-    queue = proc.add_request("r", 3, SamplingParams(max_tokens=len(ids), logprobs=1))
+    queue = proc.add_request("r", [5, 6, 7], SamplingParams(max_tokens=len(ids), logprobs=1))
     top_ids = [[t] for t in reversed(ids)]  # the alternatives: other tokens of the same text
     lp = Logprobs(sampled=[-0.5] * len(ids), top_ids=top_ids, top_logprobs=[[-1.0]] * len(ids))
     proc.process(EngineCoreOutputs(0, [EngineCoreOutput("r", ids, lp, finish_reason="length")]))
@@ -89,3 +89,62 @@ def _gpt2_bytes() -> dict[str, int]:
 
 
 _GPT2_BYTES = _gpt2_bytes()
+
+
+# ------------------------------------------------------------------------- token ids follow their text
+
+
+def run_processor(tokenizer: Any, prompt: list[int], ids: list[int], **params: Any) -> list[Any]:
+    """Feed `ids` one per step, the last one finishing by length; return every RequestOutput."""
+    proc = OutputProcessor(tokenizer, EngineMetrics("m"))
+    queue = proc.add_request("r", prompt, SamplingParams(max_tokens=len(ids), **params))
+    for i, tid in enumerate(ids):
+        proc.process(EngineCoreOutputs(0, [EngineCoreOutput("r", [tid], finish_reason=(
+            "length" if i == len(ids) - 1 else None))]))
+    outs = []
+    while not queue.empty():
+        outs.append(queue.get_nowait())
+        if outs[-1].finished:
+            break
+    return outs
+
+
+def test_each_delta_carries_the_ids_of_exactly_its_text(tokenizer: Any) -> None:
+    prompt = tokenizer.encode("Say it:", add_special_tokens=False)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    outs = run_processor(tokenizer, prompt, ids)
+    assert "".join(o.text for o in outs) == TEXT and [t for o in outs for t in o.token_ids] == ids
+    for o in outs:
+        assert o.text == tokenizer.decode(o.token_ids)  # held-back bytes of the emoji come with their text
+    assert max(len(o.token_ids) for o in outs) >= 3  # the emoji's tokens arrive together
+    assert any(not o.token_ids for o in outs)  # and the steps that only held bytes reported nothing
+
+
+def test_a_stop_string_holds_its_tokens_back_until_the_end(tokenizer: Any) -> None:
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    outs = run_processor(tokenizer, [1], ids, stop=["thre"])
+    final = outs[-1]
+    assert final.finished and final.stop_reason == "thre"
+    assert "".join(o.text for o in outs) == "one two "
+    for o in outs[:-1]:  # before the end: exactly the text of the ids, never part of a possible stop
+        assert o.text == tokenizer.decode(o.token_ids)
+    # The final delta reports every remaining id, those of the stop string (whose text is not shown) too.
+    stopped_at = next(n for n in range(1, len(ids) + 1) if "thre" in tokenizer.decode(ids[:n]))
+    assert [t for o in outs for t in o.token_ids] == ids[:stopped_at]
+    assert "thre" in tokenizer.decode(final.token_ids)
+
+
+def test_a_resumed_request_continues_the_text_exactly(tokenizer: Any) -> None:
+    """Prompt + the first k output ids, resumed: its text continues the first part's, also when the
+    first part ends inside the emoji (whose bytes then come out whole with the resumed part)."""
+    prompt = tokenizer.encode("Say it:", add_special_tokens=False)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    full = "".join(o.text for o in run_processor(tokenizer, prompt, ids))
+    inside = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert inside, "the emoji should be split over tokens"
+    for k in range(1, len(ids)):
+        first = "".join(o.text for o in run_processor(tokenizer, prompt, ids[:k]))
+        rest = "".join(o.text for o in run_processor(tokenizer, prompt + ids[:k], ids[k:]))
+        assert first + rest == full, k
+        if k in inside:
+            assert "\ufffd" not in first and rest.lstrip().startswith("🎉")

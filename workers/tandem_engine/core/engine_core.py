@@ -57,7 +57,7 @@ class EngineCore:
             KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                            record_events=self.kv_events is not None),
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            self.kv_connector, config.kv_failure_policy,
+            self.kv_connector, config.kv_failure_policy, config.scheduling_policy,
         )
         self._idle = True  # the last step computed nothing and produced no output
         warm = self.runner.warm_up()

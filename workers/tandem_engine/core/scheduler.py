@@ -1,21 +1,24 @@
 """Continuous batching with one token budget for prefill and decode (vLLM v1's unified scheduler).
 
 A step is a map {request: number of tokens to compute}. Running requests go first; when blocks run
-out the newest running request is preempted (recompute) and nothing new is admitted in that step.
-Waiting requests are admitted in order with prefix-cache hits and chunked to the remaining budget.
+out the last running request is preempted (recompute) and nothing new is admitted in that step.
+Waiting requests are admitted in the queue's order with prefix-cache hits and chunked to the remaining
+budget. Under `--scheduling-policy priority` the running list is kept in (priority, arrival) order, so
+the last one, the one preempted, is the least urgent (vLLM's victim); under fcfs it is the newest.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem_engine.config import KVFailurePolicy
+from tandem_engine.config import KVFailurePolicy, SchedulingPolicy
 from tandem_engine.core.kv_cache_manager import KVCacheManager
+from tandem_engine.core.request_queue import make_queue, priority_key
 from tandem_engine.kv_transfer.interface import KVConnectorOutput, KVConnectorScheduler
 from tandem_engine.protocol import EngineCoreOutput, Logprobs, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
@@ -60,6 +63,7 @@ class Scheduler:
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
         kv_failure_policy: KVFailurePolicy = "fail",
+        policy: SchedulingPolicy = "fcfs",
     ) -> None:
         self.kv = kv_cache_manager
         self.connector = connector
@@ -72,7 +76,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting = make_queue(policy)
         self.running: list[Request] = []
         # Requests finished outside update_from_output (aborts) whose final output is still owed.
         self._finished_outputs: list[EngineCoreOutput] = []
@@ -82,7 +87,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
         if self.connector is not None:
             self.connector.on_new_request(req)
 
@@ -101,10 +106,7 @@ class Scheduler:
                 assert self.connector is not None
                 may_free = self.connector.request_ended_early(req)
             else:
-                try:
-                    self.waiting.remove(req)
-                except ValueError:
-                    pass
+                self.waiting.remove(req)
                 if self.connector is not None:
                     self.connector.request_ended_early(req)
             req.status = status
@@ -150,7 +152,7 @@ class Scheduler:
 
         while (not preempted and self.waiting and budget > 0
                and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if self.connector is not None and self.connector.remote_blocks_to_load(req, num_hit_tokens):
                 if not self._admit_remote(req, hits, num_hit_tokens):
@@ -159,12 +161,12 @@ class Scheduler:
             n = min(req.num_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._add_running(req)
             self._add_scheduled(out, req, n)
             budget -= n
 
@@ -180,7 +182,7 @@ class Scheduler:
         new = self.kv.allocate_slots(req, req.num_prompt_tokens - 1 - num_hit_tokens, hits, cache_blocks=False)
         if new is None:
             return False
-        self.waiting.popleft()
+        self.waiting.pop()
         req.num_computed_tokens = num_hit_tokens
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit_tokens
@@ -201,7 +203,7 @@ class Scheduler:
                 # The prompt's KV is here but for the last token, recomputed for its logits.
                 req.num_computed_tokens = req.num_prompt_tokens - 1
                 req.status = RequestStatus.RUNNING
-                self.running.append(req)
+                self._add_running(req)
         for rid, reason in out.failed_recving.items():
             if (req := self._deferred_free.pop(rid, None)) is not None:
                 self.kv.free(req)
@@ -211,10 +213,16 @@ class Scheduler:
                     self.kv.free(req)
                     req.num_computed_tokens = 0
                     req.status = RequestStatus.WAITING
-                    self.waiting.appendleft(req)
+                    self.waiting.readd(req)
                 else:
                     self.waiting_for_kv[rid] = req  # finish_requests frees it: the load has ended
                     self.finish_requests([rid], RequestStatus.FINISHED_ERROR, f"KV transfer failed: {reason}")
+
+    def _add_running(self, req: Request) -> None:
+        if self.policy == "priority":
+            bisect.insort(self.running, req, key=priority_key)
+        else:
+            self.running.append(req)
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
@@ -234,7 +242,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.readd(req)
 
     # -- results ------------------------------------------------------------------------------
     def update_from_output(

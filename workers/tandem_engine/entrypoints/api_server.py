@@ -2,7 +2,8 @@
 
 `build_app(engine, registry)` wires the routes to an `EngineClient`; the CLI runs it under uvicorn once
 the engine is ready. Every error leaves in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
-400 for bad input (never 422 or 500), 404 for an unknown model, 503 when the engine is dead or draining.
+400 for bad input (never 422 or 500), 404 for an unknown model, 429 (with `Retry-After`) past
+--max-waiting-requests, 503 when the engine is dead or draining.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tandem_engine.entrypoints.serving_common import (
     parse_body,
 )
 from tandem_engine.entrypoints.serving_completion import CompletionServing
-from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError
+from tandem_engine.frontend.interface import EngineClient, EngineDeadError, EngineOverloadedError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> Response:
+        return error_response(engine_error(exc))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, exc: EngineOverloadedError) -> Response:
         return error_response(engine_error(exc))
 
     @app.exception_handler(RequestValidationError)

@@ -26,6 +26,7 @@ from tandem_engine.config import (
     EngineRole,
     KVConnectorName,
     KVFailurePolicy,
+    SchedulingPolicy,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +74,11 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
     cache.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests in one batch")
     cache.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="tokens in one step (prefill chunks and decodes)")
+    cache.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=get_args(SchedulingPolicy),
+                       help="fcfs: arrival order (a request's priority must be 0); priority: lowest "
+                       "`priority` first, then arrival")
+    cache.add_argument("--max-waiting-requests", type=_non_negative, default=d.max_waiting_requests,
+                       help="answer 429 rather than let more requests wait for a running slot")
     compute = p.add_argument_group("compute")
     compute.add_argument("--data-parallel-size", type=int, default=d.data_parallel_size,
                          help="EngineCore processes behind this frontend")
@@ -86,6 +92,13 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                          help="the torch backend's C paged-attention kernel (built on first use)")
     compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
                          help="oneDNN-prepacked weights for batched CPU matmuls")
+
+
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
 
 
 def _add_kv_events_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:

@@ -71,12 +71,14 @@ class OpenAIError(Exception):
         status: HTTPStatus = HTTPStatus.BAD_REQUEST,
         param: str | None = None,
         err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.err_type = err_type or _default_type(status)
+        self.headers = headers
 
 
 def _default_type(status: HTTPStatus) -> str:
@@ -128,6 +130,10 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_transfer_params: dict[str, Any] | None = None
+    # Lower is served first; non-zero only under --scheduling-policy priority.
+    priority: Int64 = 0
+    # The prompt's and every chunk's token ids in the answer (docs/contracts.md, "Token ids").
+    return_token_ids: bool = False
     # Not served: accepted only in their no-op form ({"type": "text"}), rejected otherwise.
     response_format: dict[str, Any] | None = None
 
@@ -280,6 +286,15 @@ class DeltaMessage(OpenAIModel):
 LogProbsT = TypeVar("LogProbsT", bound=OpenAIModel)
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+def token_ids_field() -> Any:
+    """A `token_ids` or `prompt_token_ids` field, left out of the JSON unless the client asked for ids."""
+    return Field(default=None, exclude_if=_is_none)
+
+
 class Choice(OpenAIModel, Generic[LogProbsT]):
     """What every choice carries; each endpoint adds its text (`text`, `message` or `delta`)."""
 
@@ -288,10 +303,14 @@ class Choice(OpenAIModel, Generic[LogProbsT]):
     finish_reason: str | None = None
     # The stop string or stop token id that ended the choice; None for EOS, length or abort.
     stop_reason: int | str | None = None
+    # With `return_token_ids`: the ids of this choice's text (of this chunk's, when streamed).
+    token_ids: list[int] | None = token_ids_field()
 
 
 class CompletionChoice(Choice[CompletionLogProbs]):
     text: str
+    # With `return_token_ids`: the prompt of this choice, on its first chunk when streamed (vLLM's place).
+    prompt_token_ids: list[int] | None = token_ids_field()
 
 
 class ChatCompletionChoice(Choice[ChatLogProbs]):
@@ -335,10 +354,14 @@ class CompletionStreamResponse(Answer[CompletionChoice]):
 
 class ChatCompletionResponse(WholeAnswer[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
+    # With `return_token_ids`: the rendered chat prompt (vLLM puts it here, not on the choice).
+    prompt_token_ids: list[int] | None = token_ids_field()
 
 
 class ChatCompletionStreamResponse(Answer[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    # With `return_token_ids`: on the opening (role) chunk of each choice.
+    prompt_token_ids: list[int] | None = token_ids_field()
 
 
 class ModelCard(OpenAIModel):

@@ -4,6 +4,9 @@ requests, then answer with one JSON body or with an SSE stream that ends in `dat
 An endpoint fills in three hooks: `prepare` (its own checks, the prompts rendered or tokenized, their
 sampling params), `response` (the whole answer as JSON) and `chunk` (one stream event); `opening` adds
 events before the first token where the endpoint has any (chat's role chunks).
+
+With `return_token_ids`, every choice carries the ids of its text and the prompt's ids come once per
+choice (docs/contracts.md, "Token ids"): the hooks find both on ChoiceOutput.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class ChoiceOutput:
     text_offset: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With `return_token_ids`: the ids of `text` (all of them once finished), and the prompt's ids on
+    # the choice's first chunk (and on a whole answer); None otherwise.
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -95,28 +102,36 @@ class OpenAIServing(ABC, Generic[RequestT]):
     ) -> BaseModel:
         """One stream event: one choice's delta, or no choice and the usage of the whole request."""
 
-    def opening(self, request_id: str, created: int, jobs: list[Job]) -> Sequence[BaseModel]:
-        """Events sent before any token."""
+    def opening(self, request_id: str, created: int, jobs: list[Job], token_ids: bool) -> Sequence[BaseModel]:
+        """Events sent before any token (`token_ids`: the client asked for `return_token_ids`)."""
         return []
 
     async def create(self, request: Request) -> Response:
         req = await parse_body(request, self.request_type)
         check_model(self.engine, req.model)
         check_engine_serving(self.engine)
+        if req.priority != 0 and self.engine.scheduling_policy != "priority":
+            raise OpenAIError(f"priority {req.priority} needs the engine's --scheduling-policy priority",
+                              param="priority")
         prepared = self.prepare(req)
         if req.kv_transfer_params is not None and len(prepared.prompts) * req.n > 1:
             raise OpenAIError("kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
         request_id = random_id(self.id_prefix)
-        jobs = make_jobs(request_id, prepared.prompts, prepared.params, req.n)
+        jobs = make_jobs(request_id, prepared.prompts, prepared.params, req.n, req.priority)
         group = GenerationGroup(self.engine, jobs, req.kv_transfer_params)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return await self._stream(request, request_id, group, include_usage)
-        ok, response = await unless_disconnected(request, self._collect(request_id, group))
+            return await self._stream(request, request_id, group, include_usage, req.return_token_ids)
+        collect = self._collect(request_id, group, req.return_token_ids)
+        ok, response = await unless_disconnected(request, collect)
         return response if ok and response is not None else Response(status_code=CLIENT_CLOSED)
 
-    async def _collect(self, request_id: str, group: GenerationGroup) -> Response:
+    async def _collect(self, request_id: str, group: GenerationGroup, token_ids: bool) -> Response:
         choices = {j.index: ChoiceOutput(j.index, logprobs=_no_logprobs_yet(j)) for j in group.jobs}
+        if token_ids:
+            for job in group.jobs:
+                choices[job.index].token_ids = []
+                choices[job.index].prompt_token_ids = job.prompt_token_ids
         texts: dict[int, list[str]] = {j.index: [] for j in group.jobs}
         usage = UsageTracker(group.jobs)
         kv_params: dict[str, Any] | None = None
@@ -127,6 +142,8 @@ class OpenAIServing(ABC, Generic[RequestT]):
                 usage.observe(job, out)
                 if choice.logprobs is not None:
                     choice.logprobs += _shown_logprobs(job, out) or []
+                if choice.token_ids is not None:
+                    choice.token_ids += out.token_ids
                 if out.finished:
                     choice.finish_reason = finish_reason_of(out)
                     choice.stop_reason = out.stop_reason
@@ -139,7 +156,7 @@ class OpenAIServing(ABC, Generic[RequestT]):
         return Response(content=body.model_dump_json(), media_type="application/json")
 
     async def _stream(
-        self, request: Request, request_id: str, group: GenerationGroup, include_usage: bool
+        self, request: Request, request_id: str, group: GenerationGroup, include_usage: bool, token_ids: bool
     ) -> Response:
         # Wait for the first delta before answering, so an invalid request is still a plain HTTP error.
         try:
@@ -150,7 +167,7 @@ class OpenAIServing(ABC, Generic[RequestT]):
         if not ok:
             await group.aclose()
             return Response(status_code=CLIENT_CLOSED)
-        return SSEResponse(self._events(request_id, group, first, include_usage))
+        return SSEResponse(self._events(request_id, group, first, include_usage, token_ids))
 
     async def _events(
         self,
@@ -158,10 +175,13 @@ class OpenAIServing(ABC, Generic[RequestT]):
         group: GenerationGroup,
         first: tuple[Job, RequestOutput] | None,
         include_usage: bool,
+        token_ids: bool,
     ) -> AsyncIterator[str]:
         created = now()
         usage = UsageTracker(group.jobs)
         offsets = {job.index: 0 for job in group.jobs}
+        # Choices whose prompt ids are still owed to the client (on their first chunk).
+        owe_prompt = {job.index for job in group.jobs} if token_ids else set()
 
         def event(job: Job, out: RequestOutput) -> str | None:
             usage.observe(job, out)
@@ -175,12 +195,16 @@ class OpenAIServing(ABC, Generic[RequestT]):
                 offsets[job.index],
                 finish_reason_of(out),
                 out.stop_reason if out.finished else None,
+                token_ids=list(out.token_ids) if token_ids else None,
             )
+            if job.index in owe_prompt:
+                owe_prompt.discard(job.index)
+                choice.prompt_token_ids = job.prompt_token_ids
             offsets[job.index] += sum(len(lp.token) for lp in logprobs or [])
             return sse(self.chunk(request_id, created, [choice], None))
 
         try:
-            for opening in self.opening(request_id, created, group.jobs):
+            for opening in self.opening(request_id, created, group.jobs, token_ids):
                 yield sse(opening)
             if first is not None:
                 data = event(*first)

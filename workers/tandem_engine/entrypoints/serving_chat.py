@@ -112,11 +112,15 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
                 logprobs=chat_logprobs(c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
             )
             for c in choices
         ]
         model = self.engine.model_name
-        return ChatCompletionResponse(id=request_id, model=model, choices=shaped, usage=usage, kv_transfer_params=kv)
+        # One prompt per chat request: every choice carries the same prompt ids.
+        prompt = choices[0].prompt_token_ids if choices else None
+        return ChatCompletionResponse(id=request_id, model=model, choices=shaped, usage=usage, kv_transfer_params=kv,
+                                      prompt_token_ids=prompt)
 
     def chunk(
         self, request_id: str, created: int, choices: list[ChoiceOutput], usage: UsageInfo | None
@@ -128,18 +132,29 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
                 logprobs=chat_logprobs(c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
             )
             for c in choices
         ]
         return self._chunk(request_id, created, shaped, usage)
 
-    def opening(self, request_id: str, created: int, jobs: list[Job]) -> list[ChatCompletionStreamResponse]:
+    def opening(
+        self, request_id: str, created: int, jobs: list[Job], token_ids: bool
+    ) -> list[ChatCompletionStreamResponse]:
+        # The prompt's ids ride on each choice's role chunk, the first chunk of the stream (vLLM's place).
         role = DeltaMessage(role="assistant", content="")
-        return [self._chunk(request_id, created, [ChatCompletionStreamChoice(index=j.index, delta=role)], None)
+        return [self._chunk(request_id, created, [ChatCompletionStreamChoice(index=j.index, delta=role)], None,
+                            j.prompt_token_ids if token_ids else None)
                 for j in jobs]
 
     def _chunk(
-        self, request_id: str, created: int, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None
+        self,
+        request_id: str,
+        created: int,
+        choices: list[ChatCompletionStreamChoice],
+        usage: UsageInfo | None,
+        prompt_token_ids: list[int] | None = None,
     ) -> ChatCompletionStreamResponse:
         model = self.engine.model_name
-        return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                            prompt_token_ids=prompt_token_ids)

@@ -24,7 +24,13 @@ from tandem_engine.entrypoints.openai_protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
+from tandem_engine.frontend.interface import (
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestError,
+    RequestOutput,
+)
 from tandem_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,7 +54,7 @@ def error_body(exc: OpenAIError) -> ErrorResponse:
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(exc).model_dump(), status_code=int(exc.status))
+    return JSONResponse(error_body(exc).model_dump(), status_code=int(exc.status), headers=exc.headers)
 
 
 def engine_error(exc: BaseException) -> OpenAIError:
@@ -57,6 +63,9 @@ def engine_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestError):
         return OpenAIError(str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return OpenAIError(str(exc), HTTPStatus.TOO_MANY_REQUESTS,
+                           headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"The engine is not available: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
     log_unexpected("request handling", exc)
@@ -145,10 +154,12 @@ class Job:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
     finished: bool = False
 
 
-def make_jobs(request_id: str, prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[Job]:
+def make_jobs(request_id: str, prompts: list[list[int]], params: list[SamplingParams], n: int,
+              priority: int = 0) -> list[Job]:
     """n engine requests per prompt, named `{i}_{request_id}` (plain `request_id` when there is only one),
     each sample with seed+i when seeded, as vLLM's ParentRequest does."""
     jobs: list[Job] = []
@@ -160,7 +171,7 @@ def make_jobs(request_id: str, prompts: list[list[int]], params: list[SamplingPa
             if base.seed is not None and i > 0:
                 sp = msgspec.structs.replace(base, seed=base.seed + i)
             rid = request_id if total == 1 else f"{index}_{request_id}"
-            jobs.append(Job(index, p, rid, ids, sp))
+            jobs.append(Job(index, p, rid, ids, sp, priority))
     return jobs
 
 
@@ -176,7 +187,8 @@ class GenerationGroup:
         self.engine = engine
         self.jobs = jobs
         self._iters = [
-            engine.generate(j.prompt_token_ids, j.params, j.request_id, kv_transfer_params) for j in jobs
+            engine.generate(j.prompt_token_ids, j.params, j.request_id, kv_transfer_params, j.priority)
+            for j in jobs
         ]
         self._tasks: list[asyncio.Task[None]] = []
         self._stream = self._merge()

@@ -43,6 +43,8 @@ def completion_choice(choice: ChoiceOutput) -> CompletionChoice:
         logprobs=None if choice.logprobs is None else completion_logprobs(choice.logprobs, choice.text_offset),
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason,
+        token_ids=choice.token_ids,
+        prompt_token_ids=choice.prompt_token_ids,
     )
 
 

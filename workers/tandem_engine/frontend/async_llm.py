@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.cpu_budget import ThreadPlan
+from tandem_engine.frontend.admission import WaitingBound
 from tandem_engine.frontend.core_client import CoreClient
 from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
 from tandem_engine.frontend.metrics import EngineMetrics
@@ -65,6 +66,9 @@ class AsyncLLM(EngineClient):
         self.model_name = config.served_name
         self.metrics = EngineMetrics(self.model_name)
         self.metrics.record_thread_plan(thread_plan)
+        self.metrics.max_num_seqs.labels(self.model_name).set(config.max_running_requests)
+        self.scheduling_policy = config.scheduling_policy
+        self.waiting_bound = WaitingBound(config.max_running_requests, config.max_waiting_requests)
         self.core = core
         self.max_model_len = core.max_model_len
         self.tokenizer = tokenizer
@@ -121,6 +125,7 @@ class AsyncLLM(EngineClient):
         params: SamplingParams,
         request_id: str,
         kv_transfer_params: dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
@@ -129,13 +134,15 @@ class AsyncLLM(EngineClient):
         self._validate(prompt_token_ids, params)
         if request_id in self.output_processor.states:
             raise RequestError(f"request id {request_id!r} is already in use")
+        # Checked and added with no await in between: concurrent requests cannot all slip past the bound.
+        self.waiting_bound.check(len(self.output_processor.states) + 1)
         # Room left in the context caps max_tokens (finish_reason "length").
         room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens > room:
             params = msgspec.structs.replace(params, max_tokens=room)
-        q = self.output_processor.add_request(request_id, len(prompt_token_ids), params)
+        q = self.output_processor.add_request(request_id, prompt_token_ids, params)
         req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
-                                kv_transfer_params)
+                                kv_transfer_params, priority)
         finished = False
         try:
             await self.core.add_request(req)

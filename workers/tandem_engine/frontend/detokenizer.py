@@ -1,6 +1,11 @@
 """Token ids to text and bytes, through the tokenizer's public API only: the incremental text of a
 request's output, and the text and raw bytes of one token for logprobs.
 
+A request's output is decoded after the last few tokens of its prompt, as the tokenizer would decode
+prompt and output together: a tokenizer that drops the leading space of a text's first word keeps it
+here, and a character whose first bytes end the prompt (a request resumed mid-character) comes out
+whole with the output token that completes it.
+
 A byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) splits a character such as an emoji over several tokens.
 Decoded alone, such a token is U+FFFD; its own bytes come from its vocabulary string, in which GPT-2's
 byte-to-unicode alphabet stands for each byte. OpenAI's `bytes` field reports those bytes, so that a
@@ -28,13 +33,26 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
+# Prompt tokens decoded before the output: enough to settle a word's leading space or finish a character.
+CONTEXT_TOKENS = 6
+
+
 class TextStream:
     """One request's output text, token by token; a character split over tokens appears whole, once its
     last token has arrived."""
 
-    def __init__(self, backend: Tokenizer, skip_special_tokens: bool) -> None:
+    def __init__(self, backend: Tokenizer, skip_special_tokens: bool, context: list[int] | None = None) -> None:
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        context = (context or [])[-CONTEXT_TOKENS:]
+        # The context up to its last whole character primes the stream; the tokens of a character it
+        # leaves unfinished are stepped through, so the output token that completes it emits it.
+        whole = len(context)
+        while whole > 0 and backend.decode(context[:whole], skip_special_tokens=skip_special_tokens
+                                           ).endswith("\ufffd"):
+            whole -= 1
+        self._stream = DecodeStream(context[:whole], skip_special_tokens=skip_special_tokens)
+        for token_id in context[whole:]:
+            self._stream.step(backend, token_id)
 
     def step(self, token_id: int) -> str | None:
         """The text this token completes, or None while a character is still incomplete."""
@@ -53,8 +71,9 @@ class Detokenizer:
         self._added = set(self._backend.get_added_tokens_decoder())
         self._bytes: dict[int, bytes] = {}
 
-    def text_stream(self, skip_special_tokens: bool) -> TextStream:
-        return TextStream(self._backend, skip_special_tokens)
+    def text_stream(self, skip_special_tokens: bool, context: list[int] | None = None) -> TextStream:
+        """The output text of a request whose prompt is `context`."""
+        return TextStream(self._backend, skip_special_tokens, context)
 
     def token_text(self, token_id: int) -> str:
         """The token decoded alone: U+FFFD where it holds only part of a character."""

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tandem_engine.config import SchedulingPolicy
 from tandem_engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -14,6 +15,14 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 class EngineDeadError(RuntimeError):
     """The EngineCore died: fatal for the whole server (HTTP 503, non-zero exit)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting (--max-waiting-requests): HTTP 429 with `Retry-After`."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RequestError(ValueError):
@@ -44,9 +53,13 @@ class RequestOutput:
     """One delta of one request: what was generated since the previous RequestOutput."""
 
     request_id: str
-    text: str  # new text since the last output (stop strings already applied)
-    token_ids: list[int]  # new token ids since the last output
-    logprobs: list[TokenLogprob] | None  # one per new token when requested
+    # The new text since the last output, and the tokens whose text it completes: before the final output,
+    # `text` is exactly the text of `token_ids` decoded after the prompt and every earlier token, so the
+    # tokens of text still held back (a partial character, a possible stop string) come later. The final
+    # output carries every token not yet reported, whether or not its text is shown (a stop string).
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token of `token_ids` when requested
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
     num_cached_tokens: int
@@ -59,6 +72,7 @@ class RequestOutput:
 class EngineClient(ABC):
     model_name: str  # the served id, e.g. "smollm2-135m-instruct"
     max_model_len: int
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     @abstractmethod
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -82,9 +96,12 @@ class EngineClient(ABC):
         params: SamplingParams,
         request_id: str,
         kv_transfer_params: dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas until one with finished=True. Raises RequestError for an invalid request,
-        EngineDeadError if the engine died. Cancelling the iterator (client gone) aborts the request."""
+        EngineOverloadedError when it would wait past --max-waiting-requests, EngineDeadError if the
+        engine died; all of them before the first delta. Cancelling the iterator (client gone) aborts
+        the request."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...

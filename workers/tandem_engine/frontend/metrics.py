@@ -54,6 +54,9 @@ class EngineMetrics:
         self.threads = Gauge("tandem:engine_threads", "Intra-op threads per EngineCore, and the CPU limit "
                              "that decided it (source: affinity, cgroup quota, downward API or --num-threads)",
                              [*lbl, "source", "cpus"], registry=r)
+        # What a router reads to size its per-engine in-flight cap without knowing the engine's flags.
+        self.max_num_seqs = Gauge("tandem:engine_max_num_seqs", "Requests this engine runs at once: "
+                                  "--max-num-seqs summed over its data-parallel EngineCores", lbl, registry=r)
         self._per_engine: dict[int, SchedulerStats] = {}
         # Publish every unlabelled-by-reason series at 0 from the start, so a fresh /metrics is complete.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,

@@ -1,5 +1,10 @@
 """Turns EngineCore outputs into per-request RequestOutput deltas: incremental detokenization, stop
-strings (with hold-back while streaming), logprob text, and per-request metrics."""
+strings (with hold-back while streaming), logprob text, and per-request metrics.
+
+A delta reports a token only with the text it completes (docs/contracts.md, "Token ids"): text held
+back (a character still incomplete, the start of a possible stop string) keeps its tokens back too, so
+the tokens a client has seen are always exactly those of the text it has seen, until the final delta.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +32,17 @@ class RequestState:
     sent: int = 0  # characters of `text` already emitted
     num_output_tokens: int = 0
     last_token_time: float | None = None
+    # Generated tokens not yet reported, with the length of `text` once each one's character is whole
+    # (None while it is not) and their logprobs when asked for.
+    unreported: list[int] = field(default_factory=list)
+    ends: list[int | None] = field(default_factory=list)
+    unreported_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def holdback(self) -> int:
-        if not self.params.stop or self.params.include_stop_str_in_output:
+        # Also with include_stop_str_in_output: text sent is never part of an undecided stop string, so
+        # a request resumed elsewhere after it still sees any stop string whole.
+        if not self.params.stop:
             return 0
         return max(len(s) for s in self.params.stop) - 1
 
@@ -43,11 +55,11 @@ class OutputProcessor:
         # Requests finished here by a stop string: the engine must be told to abort them.
         self.to_abort: list[str] = []
 
-    def add_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                     ) -> asyncio.Queue[RequestOutput | BaseException]:
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        decoder = self.detokenizer.text_stream(params.skip_special_tokens)
-        self.states[request_id] = RequestState(request_id, num_prompt_tokens, params, q, decoder)
+        decoder = self.detokenizer.text_stream(params.skip_special_tokens, prompt_token_ids)
+        self.states[request_id] = RequestState(request_id, len(prompt_token_ids), params, q, decoder)
         return q
 
     def remove(self, request_id: str) -> bool:
@@ -88,10 +100,7 @@ class OutputProcessor:
             state.num_output_tokens += len(out.new_token_ids)
             m.generation_tokens.labels(name).inc(len(out.new_token_ids))
             old_len = len(state.text)
-            for tid in out.new_token_ids:
-                piece = state.decoder.step(tid)
-                if piece:
-                    state.text += piece
+            self._decode(state, out)
             matched = self._find_stop(state, old_len)
             if matched is not None:
                 finish_reason, stop_reason = "stop", matched
@@ -99,13 +108,17 @@ class OutputProcessor:
                     self.to_abort.append(state.request_id)
 
         finished = finish_reason is not None
-        end = len(state.text) if finished else max(len(state.text) - state.holdback, state.sent)
+        num_tokens, end = self._reportable(state, finished)
         delta, state.sent = state.text[state.sent:end], end
+        token_ids, state.unreported = state.unreported[:num_tokens], state.unreported[num_tokens:]
+        del state.ends[:num_tokens]
+        logprobs, state.unreported_logprobs = (state.unreported_logprobs[:num_tokens],
+                                               state.unreported_logprobs[num_tokens:])
         result = RequestOutput(
             request_id=state.request_id,
             text=delta,
-            token_ids=list(out.new_token_ids),
-            logprobs=self._logprobs(out) if state.params.logprobs is not None else None,
+            token_ids=token_ids,
+            logprobs=logprobs if state.params.logprobs is not None else None,
             num_prompt_tokens=state.num_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
             num_cached_tokens=out.num_cached_tokens,
@@ -119,6 +132,36 @@ class OutputProcessor:
             m.e2e.labels(name).observe(now - state.arrival)
             m.request_success.labels(name, finish_reason).inc()
         state.queue.put_nowait(result)
+
+    def _decode(self, state: RequestState, out: EngineCoreOutput) -> None:
+        """Append the new tokens' text, and each token with where its text ends once it is whole."""
+        for tid in out.new_token_ids:
+            piece = state.decoder.step(tid)
+            state.unreported.append(tid)
+            state.ends.append(None)
+            if piece is not None:
+                state.text += piece
+                # This piece completes every token still waiting for its character.
+                k = len(state.ends) - 1
+                while k >= 0 and state.ends[k] is None:
+                    state.ends[k] = len(state.text)
+                    k -= 1
+        if state.params.logprobs is not None:
+            state.unreported_logprobs += self._logprobs(out) or []
+
+    @staticmethod
+    def _reportable(state: RequestState, finished: bool) -> tuple[int, int]:
+        """(tokens, text end) of what may be reported now: everything once finished; else the tokens
+        whose text is whole and clear of the stop-string hold-back, and exactly their text."""
+        if finished:
+            return len(state.unreported), len(state.text)
+        limit = max(len(state.text) - state.holdback, state.sent)
+        num_tokens, end = 0, state.sent
+        for end_k in state.ends:
+            if end_k is None or end_k > limit:
+                break
+            num_tokens, end = num_tokens + 1, end_k
+        return num_tokens, end
 
     @staticmethod
     def _find_stop(state: RequestState, old_len: int) -> str | None:

@@ -1,11 +1,18 @@
 """Turns the logits at each request's last position into the next token (and its logprobs).
 
 Order, as vLLM: raw logprobs first, then min_tokens masking and penalties, temperature, min-p, top-k,
-top-p, and sampling by argmax of probs / Exp(1) noise (a per-request generator when seeded).
-A batch where every request is greedy without penalties or logprobs is one argmax.
+top-p, and sampling by argmax of probs / Exp(1) noise. A batch where every request is greedy without
+penalties or logprobs is one argmax.
+
+A seeded request's noise for a token depends only on (seed, the token's absolute position in the
+sequence): never on how many steps this engine took. So a request resumed on another engine with the
+tokens already generated appended to its prompt samples exactly what the original would have
+(docs/contracts.md, "Resuming a request").
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -23,7 +30,21 @@ def _needs_min_tokens_mask(req: Request) -> bool:
     return req.num_output_tokens < sp.min_tokens
 
 
+_U64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of the token at `position` (prompt length + output index) of a request seeded
+    with `seed`: a hash, so that `seed + 1` at one position and `seed` at the next never share noise."""
+    data = (seed & _U64).to_bytes(8, "little") + position.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 class Sampler:
+    def __init__(self) -> None:
+        # Re-seeded for every seeded row; unseeded rows draw from torch's default generator.
+        self._seeded = torch.Generator()
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         # logits: [num_reqs, vocab] float32
         if all(r.sampling_params.greedy and r.sampling_params.logprobs is None
@@ -54,9 +75,12 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
             seed = r.sampling_params.seed
-            if seed is not None and r.generator is None:
-                r.generator = torch.Generator().manual_seed(seed)
-            noise[i].exponential_(generator=r.generator)
+            if seed is None:
+                noise[i].exponential_()
+            else:
+                # The token being sampled sits at index num_tokens of prompt + output.
+                self._seeded.manual_seed(position_seed(seed, r.num_tokens))
+                noise[i].exponential_(generator=self._seeded)
         sampled = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
 
         token_ids = sampled.tolist()
