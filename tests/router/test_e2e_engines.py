@@ -204,7 +204,8 @@ async def _kill_under_load(stack: Stack) -> None:
     for b, f in zip(baseline, failed, strict=True):
         assert not f.errors, (f.i, f.errors)
         assert (f.ids, f.text, f.finish) == (b.ids, b.text, b.finish), f"request {f.i} differs after migration"
-        assert f.usage == b.usage
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ: a second run
+        assert [f.usage[k] for k in counts] == [b.usage[k] for k in counts]
     await admitted(stack.router, victim, False, timeout=30)
     async with httpx.AsyncClient() as http:
         text = (await http.get(stack.router + "/metrics")).text

@@ -109,7 +109,11 @@ class StreamState:
             return usage
         prompt = len(self.prompt_ids)
         completion = self.resumed_from + int(usage.get("completion_tokens", 0))
-        return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        out = {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if isinstance(details := usage.get("prompt_tokens_details"), dict) and "cached_tokens" in details:
+            # The continuation's prompt held the answer so far: count only the original prompt's part.
+            out["prompt_tokens_details"] = {**details, "cached_tokens": min(int(details["cached_tokens"]), prompt)}
+        return out
 
     def _as_client_chunk(self, event: dict[str, Any]) -> dict[str, Any]:
         """A continuation's completions chunk in the client's format, with the first engine's id."""
