@@ -12,10 +12,13 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass
@@ -89,9 +92,12 @@ class TestUpstream:
     # chunks carry ids, as a real engine's do, so the router can resume an answer on another upstream.
     positional: bool = False
     healthy: bool = True
+    max_num_seqs: int | None = None  # serve GET /metrics with tandem:engine_max_num_seqs, as an engine does
     seen: list[Seen] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)  # X-Request-Ids whose client went away
     finished: list[str] = field(default_factory=list)
+    running: int = 0  # generation requests being answered now, and the most at once
+    peak: int = 0
     url: str = ""
     host: str = "127.0.0.1"  # a pod-network address where a real EndpointSlice must name it (no loopback)
     _runner: web.AppRunner | None = None
@@ -162,6 +168,21 @@ class TestUpstream:
         self.finished.append(answer.rid)
         return resp
 
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "POST" or not request.path.startswith("/v1/"):
+            return await handler(request)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            return await handler(request)
+        finally:
+            self.running -= 1
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = f'tandem:engine_max_num_seqs{{model_name="test-model"}} {self.max_num_seqs}\n'
+        return web.Response(text=text, content_type="text/plain")
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
@@ -171,7 +192,9 @@ class TestUpstream:
         )
 
     async def start(self, port: int = 0) -> TestUpstream:
-        app = web.Application()
+        app = web.Application(middlewares=[self._count])
+        if self.max_num_seqs is not None:
+            app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)

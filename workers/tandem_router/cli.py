@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="endpoints tried per request before the first byte")
     p.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="times a broken answer is resumed on another engine (0: never)")
+    adm = p.add_argument_group("overload control (docs/operations.md, Overload)")
+    adm.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=d.admission_control,
+                     help="bound requests per decode endpoint, queue the rest by priority, answer 429 beyond")
+    adm.add_argument("--max-in-flight-per-endpoint", type=int, default=d.max_in_flight_per_endpoint,
+                     help="requests a decode endpoint runs at once (0: the engine's own --max-num-seqs)")
+    adm.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                     help="requests waiting for room; one more is answered 429 at once")
+    adm.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
+                     help="seconds a request waits for room before it is answered 429")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
     p.add_argument("--read-timeout", type=float, default=d.read_timeout)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
@@ -107,6 +116,9 @@ def config_from_args(argv: list[str]) -> RouterConfig:
     a.prefill_policy = a.prefill_policy or a.policy or RouterConfig.prefill_policy
     a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
     a.session_header = a.session_header.lower()
+    if a.max_in_flight_per_endpoint < 0 or a.max_queued_requests < 0 or a.queue_timeout <= 0:
+        raise SystemExit("tandem route: --max-in-flight-per-endpoint and --max-queued-requests must be >= 0, "
+                         "--queue-timeout > 0")
     flags = vars(a)
     return RouterConfig(**{f.name: flags[f.name] for f in dataclasses.fields(RouterConfig) if f.name in flags})
 

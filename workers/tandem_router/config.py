@@ -38,6 +38,11 @@ class RouterConfig:
     kv_events: bool = True  # follow engines' KV events into the exact index when they publish them
     max_attempts: int = 3  # tries per request, on different endpoints, before the first byte only
     max_migrations: int = 2  # a broken stream resumed on another engine at most this often (0: never)
+    # Overload control (admission.py; docs/operations.md, "Overload").
+    admission_control: bool = True
+    max_in_flight_per_endpoint: int = 0  # 0: the engine's tandem:engine_max_num_seqs, else 64
+    max_queued_requests: int = 256  # waiting for a slot, over all endpoints; beyond: 429
+    queue_timeout: float = 30.0  # seconds a request waits for a slot before its 429
     connect_timeout: float = 3.0
     read_timeout: float = 120.0  # longest silence from an upstream, headers or body
     request_timeout: float = 1800.0

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
-ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                       "tandem:engine_max_num_seqs")
 
 
 class HealthChecker:
@@ -77,7 +78,7 @@ class HealthChecker:
             reason = f"/health failed: {type(e).__name__}"
         if ok:
             pool.admit(ep)
-            if self.router.scrapes_engine_load:
+            if self.router.scrapes_engine_load or self.router.admission.reads_engine_caps:
                 await self.scrape_load(ep)
         else:
             ep.consecutive_failures += 1
@@ -86,7 +87,8 @@ class HealthChecker:
         return ok
 
     async def scrape_load(self, ep: Endpoint) -> None:
-        """The engine's own queue and KV usage, for the prefix-aware policy's score (stale when it fails)."""
+        """The engine's own queue and KV usage, for the prefix-aware policy's score, and how many requests
+        it runs at once, for admission control (stale when it fails)."""
         try:
             timeout = aiohttp.ClientTimeout(total=self.router.config.health_timeout)
             async with self.router.session.get(ep.url + "/metrics", timeout=timeout) as resp:
@@ -99,3 +101,6 @@ class HealthChecker:
             ep.engine_queue = int(samples["vllm:num_requests_running"] + samples.get("vllm:num_requests_waiting", 0))
         if "vllm:kv_cache_usage_perc" in samples:
             ep.kv_usage = samples["vllm:kv_cache_usage_perc"]
+        if "tandem:engine_max_num_seqs" in samples:
+            ep.max_num_seqs = int(samples["tandem:engine_max_num_seqs"])
+            self.router.admission.poll()  # a larger cap may admit queued requests now

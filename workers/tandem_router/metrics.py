@@ -72,6 +72,18 @@ class RouterMetrics:
             "tandem:router_migrations_total", ("reason",),
             "Streams resumed on another engine after theirs broke: connection, error_event, timeout or eof",
         )
+        # Admission control (admission.py).
+        self.queued = Gauge("tandem:router_queued_requests", "Requests waiting for an admission slot", registry=r)
+        self.admitted = Gauge("tandem:router_admitted_requests",
+                              "Requests holding an admission slot: dispatched, or being answered", registry=r)
+        self.admission_capacity = Gauge("tandem:router_admission_capacity",
+                                        "Admission slots: the caps of the healthy decode endpoints", registry=r)
+        self.rejected = counter("tandem:router_rejected_requests_total", ("reason",),
+                                "Requests answered 429 by admission control: queue_full or queue_timeout")
+        self.queue_wait = Histogram(
+            "tandem:router_queue_wait_seconds", "Time admitted requests waited for a slot (0 when there was room)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
         # How long they took.
         self.ttft = histogram("tandem:router_time_to_first_token_seconds", ("endpoint",),
                               "Time from request arrival to the first byte of the answer, per endpoint")

@@ -92,7 +92,7 @@ async def open_pd(
     candidates = sorted(decode.healthy(), key=lambda e: e.url)
     if not candidates:
         raise NoEndpoint("no healthy decode endpoint")
-    d = router.choose(decode, candidates, rreq)
+    d = router.choose(decode, router.admission.under_cap(candidates), rreq)
     # Exact when the decode engines publish KV events and the prompt was tokenized; else an estimate.
     cached_tokens = d.view.cached_tokens(d.endpoint.url) if d.view is not None else 0
     uncached = max(0, rreq.prompt_tokens - cached_tokens)

@@ -33,6 +33,7 @@ class Endpoint:
     # From the engine's /metrics, when the router scrapes them (health.py): None until then.
     engine_queue: int | None = None  # vllm:num_requests_running + vllm:num_requests_waiting
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc, 0-1
+    max_num_seqs: int | None = None  # tandem:engine_max_num_seqs: requests the engine runs at once
 
     def acquire(self, tokens: int) -> None:
         self.in_flight_requests += 1

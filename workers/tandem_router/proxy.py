@@ -103,6 +103,7 @@ async def open_upstream(
         decision = first if attempt == 0 and first is not None and first.endpoint.healthy else None
         if decision is None:
             candidates = sorted((e for e in pool.healthy() if e.url not in tried), key=lambda e: e.url)
+            candidates = router.admission.under_cap(candidates)
             if not candidates:
                 break
             decision = router.choose(pool, candidates, rreq)

@@ -7,6 +7,7 @@ import logging
 
 import aiohttp
 
+from tandem_router.admission import Admission
 from tandem_router.config import RouterConfig
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.hashing import CHARS_PER_TOKEN
@@ -56,6 +57,7 @@ class Router:
         self._tokenizer_task: asyncio.Task[None] | None = None
         for pool in (self.decode, self.prefill):
             pool.listeners.append(self._on_health_change)
+        self.admission = Admission(self)
         self.health = HealthChecker(self)
         self.discovery: Discovery = make_discovery(config)
         self._session: aiohttp.ClientSession | None = None

@@ -19,7 +19,7 @@ from tandem_router.migration import can_migrate, relay_resumable, relay_whole, w
 from tandem_router.pd import ClientErrorFromPrefill, open_pd
 from tandem_router.policies import RoutingRequest
 from tandem_router.proxy import NoEndpoint, error_response, open_upstream, relay
-from tandem_router.request import BadRequest, Kind, parse_request
+from tandem_router.request import BadRequest, Kind, ParsedRequest, parse_request
 from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,18 @@ def _auth_middleware(api_key: str) -> Middleware:
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    cfg = router.config
     t_start = time.perf_counter()
     try:
         parsed = parse_request(kind, await request.read())
     except BadRequest as e:
         return error_response(400, str(e), "invalid_request_error", e.param)
+    # A slot from before dispatch to the answer's end, however it ends; or a 429 (docs/operations.md, "Overload").
+    async with router.admission.slot(parsed, request):
+        return await _dispatch(request, router, parsed, t_start)
+
+
+async def _dispatch(request: web.Request, router: Router, parsed: ParsedRequest, t_start: float) -> web.StreamResponse:
+    cfg = router.config
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     rreq = await router.routing_request(parsed, request.headers.get(cfg.session_header))
     # Only what the engine needs crosses: no client Authorization (the engines know no API key).
@@ -113,7 +119,7 @@ async def route_only(request: web.Request) -> web.Response:
     candidates = sorted(pool.healthy(), key=lambda e: e.url)
     if not candidates:
         return NoEndpoint("no healthy decode endpoint").response()
-    d = router.choose(pool, candidates, rreq, record=False)
+    d = router.choose(pool, router.admission.under_cap(candidates), rreq, record=False)
     view = d.view
     body = {
         "pool": pool.role.value,

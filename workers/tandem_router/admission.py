@@ -1,0 +1,216 @@
+"""Overload control: a bounded number of requests per decode endpoint, a bounded priority queue in
+front of them, and 429 beyond it (docs/operations.md, "Overload").
+
+Each healthy decode (or colocated) endpoint runs at most its cap of requests at once:
+`--max-in-flight-per-endpoint` when set, else the engine's `tandem:engine_max_num_seqs` gauge (what
+it runs at once, read by the health checks), else 64 (`tandem serve`'s default `--max-num-seqs`). A
+client request holds an admission slot from before it is dispatched until its answer ends, however it
+ends (complete, error, client gone), so the router holds at most the sum of the healthy endpoints'
+caps, and the routing policies are offered only the endpoints still under theirs. Prefill legs are
+short and are not counted.
+
+A request that finds no room waits in a queue ordered by its `priority` field (lower first, vLLM's
+meaning; default 0) then arrival, for at most `--queue-timeout` seconds. A request that finds the queue
+full is answered 429 at once, unless it outranks someone queued: then the last-arrived of the lowest
+priority leaves with the 429 instead. Every 429 carries `Retry-After`, the time the queue ahead would
+take to drain at the recent pace. With no healthy decode endpoint nothing waits: the request goes on
+and gets the router's 503, as without admission control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
+
+from aiohttp import web
+
+from tandem_router.pool import Endpoint, PoolKind
+from tandem_router.proxy import error_body
+from tandem_router.request import ParsedRequest
+
+if TYPE_CHECKING:
+    from tandem_router.router import Router
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CAP = 64  # `tandem serve --max-num-seqs` by default, for engines that do not export theirs
+HOLD_SMOOTHING = 0.1  # weight of the newest slot hold time in the running mean behind Retry-After
+
+
+@dataclass(order=True)
+class Waiter:
+    """A queued request; the heap orders by (priority, arrival). `fut` resolves True when the request
+    is admitted, False when a higher-priority arrival pushed it out of a full queue."""
+
+    priority: int
+    seq: int
+    arrived: float = field(compare=False)
+    fut: asyncio.Future[bool] = field(compare=False)
+    gone: bool = field(default=False, compare=False)  # left the queue, still in the heap until popped
+
+    @property
+    def live(self) -> bool:
+        return not self.gone and not self.fut.done()
+
+
+def request_priority(req: ParsedRequest) -> int:
+    """The request's `priority` (an int; anything else counts as the default 0, and the engine judges it)."""
+    p = req.body.get("priority", 0)
+    return p if isinstance(p, int) and not isinstance(p, bool) else 0
+
+
+class Slot:
+    """One request's admission slot, held for the body of an `async with`."""
+
+    def __init__(self, admission: Admission, priority: int, route: str) -> None:
+        self.admission = admission
+        self.priority = priority
+        self.route = route
+        self.since: float | None = None  # when the slot was taken
+
+    async def __aenter__(self) -> None:
+        if self.admission.enabled:
+            await self.admission.take(self.priority, self.route)
+            self.since = time.perf_counter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.since is not None:
+            self.admission.give_back(time.perf_counter() - self.since)
+            self.since = None
+
+
+class Admission:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.config = router.config
+        self.enabled = self.config.admission_control
+        self.admitted = 0  # requests holding a slot
+        self.queued = 0  # live waiters in `_heap`
+        self._heap: list[Waiter] = []
+        self._seq = itertools.count()
+        self._hold = 1.0  # running mean of how long a request holds its slot, seconds
+        metrics = router.metrics
+        metrics.admission_capacity.set_function(self.capacity)
+        metrics.admitted.set_function(lambda: self.admitted)
+        metrics.queued.set_function(lambda: self.queued)
+        # An endpoint admitted brings room; the last one ejected sends the queue on to its 503.
+        router.decode.listeners.append(lambda ep, admitted: self.poll())
+
+    @property
+    def reads_engine_caps(self) -> bool:
+        """Whether the health checks must scrape the engines' `tandem:engine_max_num_seqs`."""
+        return self.enabled and self.config.max_in_flight_per_endpoint <= 0
+
+    def cap(self, ep: Endpoint) -> int:
+        return self.config.max_in_flight_per_endpoint or ep.max_num_seqs or DEFAULT_CAP
+
+    def capacity(self) -> int:
+        """Slots over the healthy decode endpoints."""
+        return sum(self.cap(e) for e in self.router.decode.healthy())
+
+    def under_cap(self, candidates: list[Endpoint]) -> list[Endpoint]:
+        """The decode candidates still under their cap; all of them when none is (requests outside
+        admission, such as /tokenize, can fill one) or for the prefill pool."""
+        if not self.enabled or not candidates or candidates[0].role is not PoolKind.DECODE:
+            return candidates
+        return [e for e in candidates if e.in_flight_requests < self.cap(e)] or candidates
+
+    def slot(self, req: ParsedRequest, request: web.Request) -> Slot:
+        """`async with admission.slot(req, request):` holds a slot for the body, after waiting for one;
+        entering raises `web.HTTPTooManyRequests` (the 429 answer) when the request is refused."""
+        return Slot(self, request_priority(req), request.path)
+
+    def _room(self) -> bool:
+        healthy = self.router.decode.healthy()
+        return not healthy or self.admitted < sum(self.cap(e) for e in healthy)
+
+    async def take(self, priority: int, route: str) -> None:
+        arrived = time.perf_counter()
+        if self.queued == 0 and self._room():
+            self._admit(arrived)
+            return
+        if self.queued >= self.config.max_queued_requests and not self._push_out(priority):
+            self._reject("queue_full", route)
+        w = Waiter(priority, next(self._seq), arrived, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._heap, w)
+        self.queued += 1
+        self.poll()
+        try:
+            async with asyncio.timeout(self.config.queue_timeout):
+                admitted = await w.fut
+        except TimeoutError:
+            if not self._leave_queue(w):
+                self._reject("queue_timeout", route)
+            return  # admitted as the timeout fired
+        except asyncio.CancelledError:  # the client went away while queued
+            if self._leave_queue(w):  # ... just as it was admitted: the slot goes to the next
+                self.give_back(0.0)
+            raise
+        if not admitted:
+            self._reject("queue_full", route)
+
+    def _leave_queue(self, w: Waiter) -> bool:
+        """`w` stops waiting; returns whether it had been admitted meanwhile (it then holds a slot)."""
+        if w.fut.done() and not w.fut.cancelled():
+            return w.fut.result()
+        if not w.gone:
+            w.gone = True
+            self.queued -= 1
+        return False
+
+    def _push_out(self, priority: int) -> bool:
+        """Make room in a full queue for a request of `priority` by refusing the last-arrived of the
+        lowest priority queued, if that is lower than `priority`."""
+        worst = max((w for w in self._heap if w.live), default=None)
+        if worst is None or worst.priority <= priority:
+            return False
+        worst.gone = True
+        self.queued -= 1
+        worst.fut.set_result(False)
+        return True
+
+    def poll(self) -> None:
+        """Admit queued requests, best first, while there is room."""
+        while self._heap and self._room():
+            w = heapq.heappop(self._heap)
+            if w.live:
+                self.queued -= 1
+                self._admit(w.arrived)
+                w.fut.set_result(True)
+        if len(self._heap) > 2 * self.queued + 64:  # drop the entries of requests that left
+            self._heap = [w for w in self._heap if w.live]
+            heapq.heapify(self._heap)
+
+    def _admit(self, arrived: float) -> None:
+        self.admitted += 1
+        self.router.metrics.queue_wait.observe(time.perf_counter() - arrived)
+
+    def give_back(self, held: float) -> None:
+        self.admitted -= 1
+        if held > 0:
+            self._hold += HOLD_SMOOTHING * (held - self._hold)
+        self.poll()
+
+    def retry_after(self) -> int:
+        """Seconds until the queue ahead of a new request has drained at the recent pace (at least 1)."""
+        slots = max(1, self.capacity())
+        return max(1, math.ceil((self.queued + 1) * self._hold / slots))
+
+    def _reject(self, reason: str, route: str) -> NoReturn:
+        metrics = self.router.metrics
+        metrics.rejected.labels(reason).inc()
+        metrics.requests.labels(route, "", "429").inc()
+        retry = self.retry_after()
+        why = "the router's queue is full" if reason == "queue_full" else \
+            f"no engine had room within {self.config.queue_timeout:g} s"
+        logger.debug("request refused (%s): %d admitted, %d queued", reason, self.admitted, self.queued)
+        body = error_body(429, f"overloaded: {why}; retry in {retry} s", "rate_limit_exceeded")
+        raise web.HTTPTooManyRequests(text=json.dumps(body), content_type="application/json",
+                                      headers={"Retry-After": str(retry)})
