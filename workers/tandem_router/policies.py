@@ -126,6 +126,11 @@ class _RingMixin:
     def __init__(self, vnodes: int) -> None:
         self._ring = HashRing(vnodes)
 
+    @staticmethod
+    def _cold_key(req: RoutingRequest, cold_key_blocks: int) -> int:
+        """A prompt's place on the ring: the hash of its first `cold_key_blocks` text blocks."""
+        return req.block_hashes[min(len(req.block_hashes), cold_key_blocks) - 1]
+
     def _ring_pick(
         self, candidates: list[Endpoint], key: int, bound: int, fits: Callable[[Endpoint], bool] | None = None
     ) -> Endpoint:
@@ -184,7 +189,7 @@ class PrefixAware(_RingMixin, Policy):
     def _ring_order(self, candidates: list[Endpoint], req: RoutingRequest) -> list[str]:
         """Candidate URLs clockwise from the prompt's place (its first `cold_key_blocks` text blocks)."""
         self._ring.set_members({e.url for e in candidates})
-        return list(self._ring.walk(req.block_hashes[min(len(req.block_hashes), self.cold_key_blocks) - 1]))
+        return list(self._ring.walk(self._cold_key(req, self.cold_key_blocks)))
 
 
 class BoundedPrefix(_RingMixin, Policy):
@@ -215,7 +220,7 @@ class BoundedPrefix(_RingMixin, Policy):
             top = max(matches.values(), default=0)
             reason = "prefix_hit" if best_blocks == top else "overflow"
             return Decision(best, reason, best_blocks, matches)
-        key = hashes[min(len(hashes), self.cold_key_blocks) - 1]
+        key = self._cold_key(req, self.cold_key_blocks)
         # Bounded in cache footprint too: a new prefix skips an endpoint that already holds much more
         # than its share of the blocks routed so far, else a few hot ring arcs overfill one cache.
         sizes = {e.url: prefix.size(e.url) for e in candidates}
