@@ -54,6 +54,9 @@ def shared_engine_args(spec: InferenceServiceSpec) -> list[str]:
         str(e.max_model_len),
         "--block-size",
         str(e.block_size),
+        # The router forwards a client's `priority`; equal priorities are served first come, first served.
+        "--scheduling-policy",
+        "priority",
     ]
     if e.max_num_seqs is not None:
         args += ["--max-num-seqs", str(e.max_num_seqs)]

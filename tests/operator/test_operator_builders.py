@@ -152,6 +152,8 @@ def test_prefill_and_decode_cannot_disagree() -> None:
         "2048",
         "--block-size",
         "16",
+        "--scheduling-policy",
+        "priority",
         "--max-num-seqs",
         "64",
         "--max-num-batched-tokens",

@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
     p.add_argument("--kv-side-channel-port", type=int, default=0)
     p.add_argument("--kv-events-port", type=int, default=0)  # publishes nothing: GET /kv_events is a 404
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")  # orders nothing
     a = p.parse_args()
 
     async def run() -> None:

@@ -139,7 +139,8 @@ def build_engines(a: argparse.Namespace, logs: Path) -> list[Child]:
         for i in range(count):
             port = free_port(host)
             argv = [*engine_cmd, "--model", a.model, "--host", host, "--port", str(port),
-                    "--kv-events-port", str(free_port_pair(host)), *extra]  # for the router's KV index
+                    "--kv-events-port", str(free_port_pair(host)),  # for the router's KV index
+                    "--scheduling-policy", "priority", *extra]  # clients' `priority` reaches the engines
             if a.prefill:
                 argv += ["--role", role, "--kv-side-channel-port", str(free_port(host))]
             engines.append(Child(f"{role}-{i}", f"http://{host}:{port}", argv, logs / f"{role}-{i}.log"))

@@ -39,17 +39,24 @@ def error_response(status: int, message: str, type_: str = "router_error", param
 
 
 class NoEndpoint(Exception):
-    """Every try failed (or nothing was healthy); `status`/`body` hold the last upstream answer, if any."""
+    """Every try failed (or nothing was healthy); `status`/`body`/`retry_after` hold the last upstream answer."""
 
-    def __init__(self, message: str, status: int = 503, body: bytes | None = None) -> None:
+    def __init__(self, message: str, status: int = 503, body: bytes | None = None,
+                 retry_after: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
+        self.retry_after = retry_after
 
     def response(self) -> web.Response:
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
         if self.body is not None and self.status != 503:
-            return web.Response(body=self.body, status=self.status, content_type="application/json")
-        return error_response(self.status, str(self), "service_unavailable" if self.status == 503 else "upstream_error")
+            return web.Response(body=self.body, status=self.status, content_type="application/json",
+                                headers=headers)
+        resp = error_response(self.status, str(self), "service_unavailable" if self.status == 503 else "upstream_error")
+        if headers:
+            resp.headers.update(headers)
+        return resp
 
 
 @dataclass
@@ -145,7 +152,8 @@ async def open_upstream(
             metrics.upstream_requests.labels(role, ep.url, str(resp.status)).inc()
             if resp.status == 503:  # dead or draining engine; the health check re-admits it
                 pool.eject(ep, "answered 503")
-            last = NoEndpoint(f"{role} endpoint {ep.url} answered {resp.status}", resp.status, body or None)
+            last = NoEndpoint(f"{role} endpoint {ep.url} answered {resp.status}", resp.status, body or None,
+                              resp.headers.get("Retry-After"))
             continue
         pool.index.insert(ep.url, rreq.block_hashes)
         return Upstream(decision, resp, tokens, router)
