@@ -30,6 +30,7 @@ class Record:
     output_tokens: int = 0
     text: str = ""
     body: dict[str, Any] = field(default_factory=dict, repr=False)  # what was sent
+    request_id: str = ""  # sent as X-Request-Id when set (the router logs it, e.g. with a migration)
 
     @property
     def tpot(self) -> float | None:
@@ -74,6 +75,8 @@ async def one_request(
         body["prompt"] = prompt
         path = "/v1/completions"
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    if rec.request_id:
+        headers["X-Request-Id"] = rec.request_id
     rec.body = body
     if target.before is not None:
         await target.before(path, body, rec)
