@@ -88,3 +88,26 @@ async def test_kill_an_upstream_process_under_load(router, tmp_path) -> None:
     finally:
         for p in procs:
             p.kill()
+
+
+async def test_prefix_aware_reads_engine_queues_between_health_checks(upstream, router) -> None:
+    # Router replicas weigh each other's requests only through the engines' own counts: the prefix-aware
+    # policy reads them every --load-interval, not only at the (slower) health checks.
+    up = await upstream(name="a", tokens=20, token_delay=0.05)
+    r = await router(decode_urls=[up.url], decode_policy="prefix-aware", health_interval=30, load_interval=0.05)
+    ep = r.router.decode.endpoints[up.url]
+    await eventually(lambda: ep.engine_queue == 0)
+    async with aiohttp.ClientSession() as s:
+        # Sent straight to the engine, as another router replica would: this router only sees its count.
+        answer = asyncio.create_task(s.post(up.url + "/v1/completions", json={"prompt": "x"}))
+        await eventually(lambda: ep.engine_queue == 1, timeout=2)
+        await (await answer).read()
+    await eventually(lambda: ep.engine_queue == 0, timeout=2)
+    scrapes = up.metrics_scrapes
+    await asyncio.sleep(0.5)
+    assert up.metrics_scrapes - scrapes >= 4  # ~10 in 0.5 s; the health check alone would be 0
+    other = await upstream(name="b")
+    least = await router(decode_urls=[other.url], health_interval=30)  # least-load reads no queue
+    await eventually(lambda: least.router.decode.endpoints[other.url].healthy)
+    await asyncio.sleep(0.3)
+    assert other.metrics_scrapes <= 1  # the first health check reads its slot count (admission control)

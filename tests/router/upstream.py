@@ -92,7 +92,8 @@ class TestUpstream:
     # chunks carry ids, as a real engine's do, so the router can resume an answer on another upstream.
     positional: bool = False
     healthy: bool = True
-    max_num_seqs: int | None = None  # serve GET /metrics with tandem:engine_max_num_seqs, as an engine does
+    max_num_seqs: int | None = None  # exported as tandem:engine_max_num_seqs on GET /metrics, as an engine does
+    metrics_scrapes: int = 0  # GET /metrics served (it also exports `running` as vllm:num_requests_running)
     seen: list[Seen] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)  # X-Request-Ids whose client went away
     finished: list[str] = field(default_factory=list)
@@ -180,7 +181,10 @@ class TestUpstream:
             self.running -= 1
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = f'tandem:engine_max_num_seqs{{model_name="test-model"}} {self.max_num_seqs}\n'
+        self.metrics_scrapes += 1
+        text = f'vllm:num_requests_running{{model_name="test-model"}} {self.running}\n'
+        if self.max_num_seqs is not None:
+            text += f'tandem:engine_max_num_seqs{{model_name="test-model"}} {self.max_num_seqs}\n'
         return web.Response(text=text, content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -193,8 +197,7 @@ class TestUpstream:
 
     async def start(self, port: int = 0) -> TestUpstream:
         app = web.Application(middlewares=[self._count])
-        if self.max_num_seqs is not None:
-            app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)

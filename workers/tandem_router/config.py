@@ -47,5 +47,6 @@ class RouterConfig:
     read_timeout: float = 120.0  # longest silence from an upstream, headers or body
     request_timeout: float = 1800.0
     health_interval: float = 2.0  # 0 disables active health checks
+    load_interval: float = 0.25  # prefix-aware: seconds between scrapes of engine load; 0: with health checks
     health_timeout: float = 2.0
     health_failures: int = 2  # consecutive failed checks that eject an endpoint

@@ -28,22 +28,34 @@ class HealthChecker:
     def __init__(self, router: Router) -> None:
         self.router = router
         self._task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     def start(self) -> None:
         if self.router.config.health_interval > 0:
             self._task = asyncio.create_task(self._run(), name="health-checks")
+        if self.router.scrapes_engine_load and self.router.config.load_interval > 0:
+            self._load_task = asyncio.create_task(self._scrape_loads(), name="load-scrapes")
 
     def poke(self) -> None:
         """Check soon (an endpoint was added or ejected) instead of at the next interval."""
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._load_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._load_task = None
+
+    async def _scrape_loads(self) -> None:
+        """The prefix-aware score weighs each engine's queue: read it every `load_interval` (more often
+        than health checks), so that router replicas see each other's requests soon after they land."""
+        while True:
+            await asyncio.gather(*(self.scrape_load(ep) for pool in (self.router.decode, self.router.prefill)
+                                   for ep in pool.healthy()))
+            await asyncio.sleep(self.router.config.load_interval)
 
     async def _run(self) -> None:
         interval = self.router.config.health_interval
@@ -78,7 +90,7 @@ class HealthChecker:
             reason = f"/health failed: {type(e).__name__}"
         if ok:
             pool.admit(ep)
-            if self.router.scrapes_engine_load or self.router.admission.reads_engine_caps:
+            if self._load_task is None and (self.router.scrapes_engine_load or self.router.admission.reads_engine_caps):
                 await self.scrape_load(ep)
         else:
             ep.consecutive_failures += 1
