@@ -172,6 +172,7 @@ class Admission:
         try:
             admitted = await self._wait(w)
         except asyncio.CancelledError:  # the client went away while queued
+            self.router.metrics.client_disconnects.inc()
             if self._leave_queue(w):  # ... just as it was admitted: the slot goes to the next
                 self.give_back(0.0)
             raise
