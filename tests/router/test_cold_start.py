@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from tests.router.conftest import RunningRouter
 from tests.router.test_admission import body, client, send
 from tests.router.test_pd import LONG
 from tests.router.utils import eventually, start_upstream_process
@@ -35,6 +36,11 @@ def start_router(tmp_path: Path, *args: str) -> Child:
         except OSError:
             assert router.alive() and time.monotonic() < deadline, router.tail()
             time.sleep(0.1)
+
+
+def held_in(r: RunningRouter) -> float:
+    """The held gauge of a router running in this process."""
+    return metric(r.router.metrics.render().decode(), HELD)
 
 
 async def answer(s: aiohttp.ClientSession, url: str, path: str, payload: dict[str, Any]) -> tuple[int, str, str]:
@@ -160,12 +166,33 @@ async def test_endpoint_slices_from_empty_to_ready_release_the_hold(upstream, ro
     r = await router(decode_urls=[], cold_start_timeout=30, admission_control=False)
     async with client() as s:
         tasks = [asyncio.create_task(send(s, r.url, *body(i, max_tokens=2))) for i in range(3)]
-        await eventually(lambda: metric(r.router.metrics.render().decode(), HELD) == 3)
+        await eventually(lambda: held_in(r) == 3)
         up = await upstream(name="k")
         r.router.decode.set_urls([up.url], healthy=True)  # what the EndpointSlice watch publishes
         results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert [status for status, _, _ in results] == [200] * 3 and all(" k-1" in t for _, _, t in results)
     assert r.router.admission.queued == 0 and r.router.admission.admitted == 0
+
+
+async def test_queued_requests_are_held_when_the_last_engine_goes(upstream, router) -> None:
+    """Without the hold they would get the 503 (test_admission.py); with it they wait for the engine."""
+    up = await upstream(name="a", tokens=20, token_delay=0.05)
+    r = await router(decode_urls=[up.url], max_in_flight_per_endpoint=1, cold_start_timeout=30)
+    pool = r.router.decode
+    async with client() as s:
+        first = asyncio.create_task(send(s, r.url, "/v1/completions", {"prompt": "x", "stream": True}))
+        await eventually(lambda: up.running == 1)
+        queued = asyncio.create_task(send(s, r.url, "/v1/completions", {"prompt": "y"}))
+        await eventually(lambda: r.router.admission.queued == 1)
+        assert held_in(r) == 0  # waiting for room, not for an engine
+        pool.eject(pool.endpoints[up.url], "test")
+        assert held_in(r) == 1
+        assert (await first)[0] == 200  # the answer under way is not cut
+        await asyncio.sleep(0.2)
+        assert not queued.done()
+        pool.admit(pool.endpoints[up.url])  # what the next passing health check does
+        status, _, text = await asyncio.wait_for(queued, 5)
+    assert status == 200 and " a-19" in text and held_in(r) == 0
 
 
 def test_flags() -> None:
