@@ -110,7 +110,7 @@ class Admission:
         metrics.queued.set_function(lambda: self.queued)
         metrics.held.set_function(lambda: self.queued if self.holding() else 0)
         metrics.last_request.set_function(lambda: self.last_arrival)
-        # An endpoint admitted brings room; the last one ejected sends the queue on to its 503.
+        # An endpoint admitted brings room; the last one ejected sends the queue on to its 503 (unless held).
         router.decode.listeners.append(lambda ep, admitted: self.poll())
 
     @property
