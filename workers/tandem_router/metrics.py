@@ -88,7 +88,8 @@ class RouterMetrics:
         self.last_request = Gauge("tandem:router_last_request_timestamp_seconds",
                                   "Unix time the last completions or chat request arrived (0: none yet)", registry=r)
         self.queue_wait = Histogram(
-            "tandem:router_queue_wait_seconds", "Time admitted requests waited for a slot, or held for an engine (0: there was room)",
+            "tandem:router_queue_wait_seconds",
+            "Time admitted requests waited for a slot, or held for an engine (0: there was room)",
             buckets=LATENCY_BUCKETS, registry=r,
         )
         # How long they took.
