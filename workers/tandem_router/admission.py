@@ -13,8 +13,12 @@ A request that finds no room waits in a queue ordered by its `priority` field (l
 meaning; default 0) then arrival, for at most `--queue-timeout` seconds. A request that finds the queue
 full is answered 429 at once, unless it outranks someone queued: then the last-arrived of the lowest
 priority leaves with the 429 instead. Every 429 carries `Retry-After`, the time the queue ahead would
-take to drain at the recent pace. With no healthy decode endpoint nothing waits: the request goes on
-and gets the router's 503, as without admission control.
+take to drain at the recent pace.
+
+With no healthy decode endpoint nothing waits, and the request gets the router's 503, unless
+`--cold-start-timeout` is set (scale from zero, docs/operations.md): then requests are held in the same
+queue, bound and order until a decode endpoint is admitted, and one still held when its timeout passes
+gets 503 with `Retry-After`. The hold works with admission control off too; only the caps are gone.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CAP = 64  # `tandem serve --max-num-seqs` by default, for engines that do not export theirs
 HOLD_SMOOTHING = 0.1  # weight of the newest slot hold time in the running mean behind Retry-After
+# Retry-After of a cold-start 503: a retry is held again, so retrying at once loses no time.
+COLD_START_RETRY_AFTER = 1
 
 
 @dataclass(order=True)
@@ -76,7 +82,7 @@ class Slot:
         self.since: float | None = None  # when the slot was taken
 
     async def __aenter__(self) -> None:
-        if self.admission.enabled:
+        if self.admission.queues:
             await self.admission.take(self.priority, self.route)
             self.since = time.perf_counter()
 
@@ -91,6 +97,8 @@ class Admission:
         self.router = router
         self.config = router.config
         self.enabled = self.config.admission_control
+        self.holds = self.config.cold_start_timeout > 0  # requests wait for a decode endpoint to exist
+        self.last_arrival = 0.0  # Unix time of the last generation request
         self.admitted = 0  # requests holding a slot
         self.queued = 0  # live waiters in `_heap`
         self._heap: list[Waiter] = []
@@ -100,8 +108,19 @@ class Admission:
         metrics.admission_capacity.set_function(self.capacity)
         metrics.admitted.set_function(lambda: self.admitted)
         metrics.queued.set_function(lambda: self.queued)
-        # An endpoint admitted brings room; the last one ejected sends the queue on to its 503.
+        metrics.held.set_function(lambda: self.queued if self.holding() else 0)
+        metrics.last_request.set_function(lambda: self.last_arrival)
+        # An endpoint admitted brings room; the last one ejected sends the queue on to its 503 (unless held).
         router.decode.listeners.append(lambda ep, admitted: self.poll())
+
+    @property
+    def queues(self) -> bool:
+        """Whether requests take a slot, and wait for one: for the caps, for an engine to exist, or both."""
+        return self.enabled or self.holds
+
+    def holding(self) -> bool:
+        """Whether requests are being held for want of any healthy decode endpoint."""
+        return self.holds and not self.router.decode.healthy()
 
     @property
     def reads_engine_caps(self) -> bool:
@@ -124,12 +143,20 @@ class Admission:
 
     def slot(self, req: ParsedRequest, request: web.Request) -> Slot:
         """`async with admission.slot(req, request):` holds a slot for the body, after waiting for one;
-        entering raises `web.HTTPTooManyRequests` (the 429 answer) when the request is refused."""
+        entering raises `web.HTTPTooManyRequests` (the 429 answer) when the request is refused, or
+        `web.HTTPServiceUnavailable` (503) when no decode endpoint came within `--cold-start-timeout`."""
+        self.last_arrival = time.time()
         return Slot(self, request_priority(req), request.path)
 
     def _room(self) -> bool:
         healthy = self.router.decode.healthy()
-        return not healthy or self.admitted < sum(self.cap(e) for e in healthy)
+        if not healthy:  # hold the request, or let it go on to the 503
+            return not self.holds
+        return not self.enabled or self.admitted < sum(self.cap(e) for e in healthy)
+
+    def _patience(self) -> float:
+        """How long after its arrival a queued request may still wait, in the pool's present state."""
+        return self.config.cold_start_timeout if self.holding() else self.config.queue_timeout
 
     async def take(self, priority: int, route: str) -> None:
         arrived = time.perf_counter()
@@ -143,18 +170,34 @@ class Admission:
         self.queued += 1
         self.poll()
         try:
-            async with asyncio.timeout(self.config.queue_timeout):
-                admitted = await w.fut
-        except TimeoutError:
-            if not self._leave_queue(w):
-                self._reject("queue_timeout", route)
-            return  # admitted as the timeout fired
+            admitted = await self._wait(w)
         except asyncio.CancelledError:  # the client went away while queued
+            self.router.metrics.client_disconnects.inc()
             if self._leave_queue(w):  # ... just as it was admitted: the slot goes to the next
                 self.give_back(0.0)
             raise
+        if admitted is None:  # it waited as long as it may
+            if self._leave_queue(w):
+                return  # admitted as the time ran out
+            if self.holding():
+                self._unavailable(route)
+            self._reject("queue_timeout", route)
         if not admitted:
             self._reject("queue_full", route)
+
+    async def _wait(self, w: Waiter) -> bool | None:
+        """`w`'s outcome, or None once it has waited its patience: that of the state the pool is in when
+        the time is up (no engine: `--cold-start-timeout`; busy engines: `--queue-timeout`)."""
+        deadline = w.arrived + self._patience()
+        while True:
+            # asyncio.wait, not a timeout around `await w.fut`: the future must outlive a deadline moved on.
+            done, _ = await asyncio.wait((w.fut,), timeout=max(0.0, deadline - time.perf_counter()))
+            if done:
+                return w.fut.result()
+            later = w.arrived + self._patience()
+            if later <= time.perf_counter():
+                return None
+            deadline = later
 
     def _leave_queue(self, w: Waiter) -> bool:
         """`w` stops waiting; returns whether it had been admitted meanwhile (it then holds a slot)."""
@@ -202,6 +245,18 @@ class Admission:
         """Seconds until the queue ahead of a new request has drained at the recent pace (at least 1)."""
         slots = max(1, self.capacity())
         return max(1, math.ceil((self.queued + 1) * self._hold / slots))
+
+    def _unavailable(self, route: str) -> NoReturn:
+        """A held request's 503: no decode endpoint came within `--cold-start-timeout`."""
+        metrics = self.router.metrics
+        metrics.rejected.labels("cold_start_timeout").inc()
+        metrics.requests.labels(route, "", "503").inc()
+        waited = self.config.cold_start_timeout
+        logger.info("held request answered 503: no decode endpoint within %g s (%d held)", waited, self.queued)
+        body = error_body(503, f"no healthy decode endpoint within {waited:g} s; the engines may be starting",
+                          "service_unavailable")
+        raise web.HTTPServiceUnavailable(text=json.dumps(body), content_type="application/json",
+                                         headers={"Retry-After": str(COLD_START_RETRY_AFTER)})
 
     def _reject(self, reason: str, route: str) -> NoReturn:
         metrics = self.router.metrics

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests waiting for room; one more is answered 429 at once")
     adm.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
                      help="seconds a request waits for room before it is answered 429")
+    adm.add_argument("--cold-start-timeout", type=float, default=d.cold_start_timeout,
+                     help="seconds a request is held while no decode endpoint exists (scale from zero) "
+                     "before it is answered 503 (0: answer 503 at once)")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
     p.add_argument("--read-timeout", type=float, default=d.read_timeout)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
@@ -119,9 +122,9 @@ def config_from_args(argv: list[str]) -> RouterConfig:
     a.prefill_policy = a.prefill_policy or a.policy or RouterConfig.prefill_policy
     a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
     a.session_header = a.session_header.lower()
-    if a.max_in_flight_per_endpoint < 0 or a.max_queued_requests < 0 or a.queue_timeout <= 0:
-        raise SystemExit("tandem route: --max-in-flight-per-endpoint and --max-queued-requests must be >= 0, "
-                         "--queue-timeout > 0")
+    if min(a.max_in_flight_per_endpoint, a.max_queued_requests, a.cold_start_timeout) < 0 or a.queue_timeout <= 0:
+        raise SystemExit("tandem route: --max-in-flight-per-endpoint, --max-queued-requests and "
+                         "--cold-start-timeout must be >= 0, --queue-timeout > 0")
     flags = vars(a)
     return RouterConfig(**{f.name: flags[f.name] for f in dataclasses.fields(RouterConfig) if f.name in flags})
 

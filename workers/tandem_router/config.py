@@ -43,6 +43,9 @@ class RouterConfig:
     max_in_flight_per_endpoint: int = 0  # 0: the engine's tandem:engine_max_num_seqs, else 64
     max_queued_requests: int = 256  # waiting for a slot, over all endpoints; beyond: 429
     queue_timeout: float = 30.0  # seconds a request waits for a slot before its 429
+    # Seconds a request waits for a decode endpoint to exist before its 503 (docs/operations.md,
+    # "Scale from zero"); 0: no engine means an immediate 503.
+    cold_start_timeout: float = 0.0
     connect_timeout: float = 3.0
     read_timeout: float = 120.0  # longest silence from an upstream, headers or body
     request_timeout: float = 1800.0

@@ -79,9 +79,17 @@ class RouterMetrics:
         self.admission_capacity = Gauge("tandem:router_admission_capacity",
                                         "Admission slots: the caps of the healthy decode endpoints", registry=r)
         self.rejected = counter("tandem:router_rejected_requests_total", ("reason",),
-                                "Requests answered 429 by admission control: queue_full or queue_timeout")
+                                "Requests refused while waiting: queue_full or queue_timeout (429), "
+                                "cold_start_timeout (503)")
+        # Demand while the pools are at zero, read by the operator's planner (docs/operations.md,
+        # "Scale from zero").
+        self.held = Gauge("tandem:router_requests_held",
+                          "Requests held because no decode endpoint exists (--cold-start-timeout)", registry=r)
+        self.last_request = Gauge("tandem:router_last_request_timestamp_seconds",
+                                  "Unix time the last completions or chat request arrived (0: none yet)", registry=r)
         self.queue_wait = Histogram(
-            "tandem:router_queue_wait_seconds", "Time admitted requests waited for a slot (0 when there was room)",
+            "tandem:router_queue_wait_seconds",
+            "Time admitted requests waited for a slot, or held for an engine (0: there was room)",
             buckets=LATENCY_BUCKETS, registry=r,
         )
         # How long they took.

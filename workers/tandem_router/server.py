@@ -167,7 +167,9 @@ async def health(request: web.Request) -> web.Response:
         "decode": {e.url: e.healthy for e in router.decode.endpoints.values()},
         "prefill": {e.url: e.healthy for e in router.prefill.endpoints.values()},
     }
-    status = 200 if router.decode.healthy() else 503
+    # While it holds requests for an engine to come (scale from zero), the router itself is ready: a
+    # readiness probe on this path must keep it in its Service, or the first request never reaches it.
+    status = 200 if router.decode.healthy() or router.admission.holds else 503
     return web.Response(text=json.dumps(body), status=status, content_type="application/json")
 
 
