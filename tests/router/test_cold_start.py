@@ -16,6 +16,7 @@ import pytest
 from tests.router.conftest import RunningRouter
 from tests.router.test_admission import body, client, send
 from tests.router.test_pd import LONG
+from tests.router.upstream import TestUpstream
 from tests.router.utils import eventually, start_upstream_process
 
 from tandem_router.cli import config_from_args
@@ -191,6 +192,24 @@ async def test_queued_requests_are_held_when_the_last_engine_goes(upstream, rout
         pool.admit(pool.endpoints[up.url])  # what the next passing health check does
         status, _, text = await asyncio.wait_for(queued, 5)
     assert status == 200 and " a-19" in text and held_in(r) == 0
+
+
+async def test_held_requests_go_to_a_new_engine_no_faster_than_its_slots(router) -> None:
+    """The engine's slot count is read before it is admitted: a cold start does not release every held
+    request onto the first engine at once (the default cap, 64, would)."""
+    port = free_port()
+    r = await router(decode_urls=[f"http://127.0.0.1:{port}"], cold_start_timeout=30, health_interval=0.1)
+    up = TestUpstream(name="a", tokens=5, token_delay=0.05, max_num_seqs=2)
+    async with client() as s:
+        tasks = [asyncio.create_task(send(s, r.url, "/v1/completions", {"prompt": f"p{i}"})) for i in range(6)]
+        await eventually(lambda: held_in(r) == 6)
+        await up.start(port)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        finally:
+            await up.stop()
+    assert [status for status, _, _ in results] == [200] * 6
+    assert up.peak == 2
 
 
 def test_flags() -> None:

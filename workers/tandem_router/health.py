@@ -89,9 +89,11 @@ class HealthChecker:
             ok = False
             reason = f"/health failed: {type(e).__name__}"
         if ok:
-            pool.admit(ep)
-            if self._load_task is None and (self.router.scrapes_engine_load or self.router.admission.reads_engine_caps):
+            reads = self.router.scrapes_engine_load or self.router.admission.reads_engine_caps
+            if reads and (not ep.healthy or self._load_task is None):
+                # Before admitting: queued and held requests are released against its real slot count.
                 await self.scrape_load(ep)
+            pool.admit(ep)
         else:
             ep.consecutive_failures += 1
             if ep.consecutive_failures >= cfg.health_failures:
