@@ -67,6 +67,8 @@ class _Window:
         self.history: deque[tuple[float, int]] = deque()
 
     def stabilize(self, now: float, current: int, recommended: int, up_seconds: int, down_seconds: int) -> int:
+        if not self.history:  # a new (or restarted) planner: as if `current` had been recommended so far
+            self.history.append((now, current))
         self.history.append((now, recommended))
         while self.history[0][0] < now - max(up_seconds, down_seconds):
             self.history.popleft()
@@ -198,7 +200,7 @@ class Planner:
         elif pool.pods == 0 and current > 0:
             hold = "no pod ready to read metrics from"
         loads = []
-        if pool.pods and not hold:
+        if pool.pods:
             loads = (self._prefill_loads if role == "prefill" else self._decode_loads)(signals, pool)
         unbounded, driver = _recommend(current, pool.pods, loads)
         if pool.dead:  # unknown load: may still scale up on what the other pods say, never down
@@ -218,20 +220,20 @@ class Planner:
         """`steps`: the recommendation unbounded, then bounded, then the stabilized desired replicas."""
         unbounded, recommended, desired = steps
         head = f"{role} {current}->{desired}" if desired != current else f"{role} {current}"
-        if hold:
+        if hold and unbounded <= current:
             why = f"holding: {hold}"
         elif driver is None:
             why = "no load signal"
         else:
             sign = ">" if driver.ratio > 1.0 + TOLERANCE else "<" if driver.ratio < 1.0 - TOLERANCE else "within 10% of"
-            why = f"{driver.text} {sign} {driver.target}"
+            why = f"{driver.text} {sign} {driver.target}" + (f"; {hold}" if hold else "")
         if desired == current and recommended != current:
             window = self.config.scale_up_seconds if recommended > current else self.config.scale_down_seconds
             why += f"; {recommended} recommended, waiting out the {window} s window"
         elif desired != recommended:
             why += f"; recommended {recommended} over the last window"
         if unbounded != recommended:
-            why += f" ({unbounded} capped by bounds {bounds.min_replicas}-{bounds.max_replicas})"
+            why += f" ({unbounded} kept within bounds {bounds.min_replicas}-{bounds.max_replicas})"
         return f"{head}: {why}"
 
     # The prefill:decode ratio bounds: the pool that falls short is raised, never the other lowered.
