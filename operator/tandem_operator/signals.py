@@ -215,6 +215,17 @@ def _deltas(
     return pairs
 
 
+def _rate(pairs: list[tuple[S, S]], counter: Callable[[S], float], seconds: float | None) -> float | None:
+    """Increase per second of a counter over the pods seen in both scrapes."""
+    if not seconds or not pairs:
+        return None
+    return sum(_increase(counter(a), counter(b)) for a, b in pairs) / seconds
+
+
+def _interval_quantile(q: float, pairs: list[tuple[S, S]], histogram: Callable[[S], Buckets]) -> float | None:
+    return quantile(q, _merge(_bucket_increase(histogram(a), histogram(b)) for a, b in pairs))
+
+
 def _pool(
     prev: Mapping[str, EngineSample | None] | None,
     now: Mapping[str, EngineSample | None],
@@ -225,9 +236,6 @@ def _pool(
     pairs = _deltas(prev, now)
     kv = [s.kv_usage for s in live]
     seqs = [s.max_num_seqs for s in live if s.max_num_seqs is not None]
-    rate = None
-    if seconds and pairs:
-        rate = sum(_increase(a.prompt_tokens, b.prompt_tokens) for a, b in pairs) / seconds
     return PoolSignals(
         pods=len(live),
         missing=len(now) - len(live),
@@ -236,9 +244,9 @@ def _pool(
         kv_usage_mean=sum(kv) / len(kv) if kv else None,
         kv_usage_max=max(kv, default=None),
         max_num_seqs=sum(seqs) / len(seqs) if seqs else None,
-        prompt_tokens_per_second=rate,
-        ttft_seconds=quantile(q, _merge(_bucket_increase(a.ttft, b.ttft) for a, b in pairs)),
-        itl_seconds=quantile(q, _merge(_bucket_increase(a.itl, b.itl) for a, b in pairs)),
+        prompt_tokens_per_second=_rate(pairs, lambda s: s.prompt_tokens, seconds),
+        ttft_seconds=_interval_quantile(q, pairs, lambda s: s.ttft),
+        itl_seconds=_interval_quantile(q, pairs, lambda s: s.itl),
     )
 
 
@@ -250,15 +258,13 @@ def _router(
 ) -> RouterSignals:
     live = [s for s in now.values() if s is not None]
     pairs = _deltas(prev, now)
-    arrivals = None
-    if seconds and pairs and len(pairs) == len(now):
-        arrivals = sum(_increase(a.requests, b.requests) for a, b in pairs) / seconds
+    every_pod = len(pairs) == len(now)  # a router pod missing from either scrape hides its arrivals
     return RouterSignals(
         readable=bool(now) and len(live) == len(now),
-        arrivals_per_second=arrivals,
+        arrivals_per_second=_rate(pairs, lambda s: s.requests, seconds) if every_pod else None,
         in_flight=sum(s.in_flight for s in live),
         held=sum(s.held for s in live),
-        ttft_seconds=quantile(q, _merge(_bucket_increase(a.ttft, b.ttft) for a, b in pairs)),
+        ttft_seconds=_interval_quantile(q, pairs, lambda s: s.ttft),
     )
 
 
