@@ -65,15 +65,21 @@ class _Window:
 
     def __init__(self) -> None:
         self.history: deque[tuple[float, int]] = deque()
+        self.started: float | None = None
 
     def stabilize(self, now: float, current: int, recommended: int, up_seconds: int, down_seconds: int) -> int:
-        if not self.history:  # a new (or restarted) planner: as if `current` had been recommended so far
-            self.history.append((now, current))
+        if self.started is None:
+            self.started = now
         self.history.append((now, recommended))
         while self.history[0][0] < now - max(up_seconds, down_seconds):
             self.history.popleft()
         up = min(r for t, r in self.history if t >= now - up_seconds)
         down = max(r for t, r in self.history if t >= now - down_seconds)
+        # A new (or restarted) planner has no history: it counts as having recommended `current`.
+        if now - self.started < up_seconds:
+            up = min(up, current)
+        if now - self.started < down_seconds:
+            down = max(down, current)
         desired = current
         if desired < up:
             desired = up
@@ -83,6 +89,7 @@ class _Window:
 
     def clear(self) -> None:
         self.history.clear()
+        self.started = None
 
 
 def _seconds(value: float) -> str:
@@ -171,18 +178,23 @@ class Planner:
         return loads
 
     def _ttft(self, signals: Signals, pool: PoolSignals) -> list[Load]:
-        """TTFT as clients see it (the router's), else as the engines of the pool that prefills see it."""
-        observed = signals.router.ttft_seconds
-        if observed is None:
-            observed = pool.ttft_seconds
-        return _latency("TTFT", observed, self.config.targets.ttft_seconds, signals.percentile)
+        return _latency("TTFT", self._observed_ttft(signals, pool), self.config.targets.ttft_seconds,
+                        signals.percentile)
+
+    @staticmethod
+    def _observed_ttft(signals: Signals, pool: PoolSignals) -> float | None:
+        """Prefill engines' own TTFT (their queue and compute: the router's TTFT also holds the decode
+        leg, which decode's signals answer for); colocated, the router's, as clients see it."""
+        if signals.prefill is None and signals.router.ttft_seconds is not None:
+            return signals.router.ttft_seconds
+        return pool.ttft_seconds
 
     def _learn_prefill_capacity(self, signals: Signals) -> None:
         """Per-replica prompt-token throughput of a prefill pool that had more work than it could do."""
         pool = signals.prefill
         if pool is None or not pool.pods or pool.dead or pool.prompt_tokens_per_second is None:
             return
-        ttft = signals.router.ttft_seconds if signals.router.ttft_seconds is not None else pool.ttft_seconds
+        ttft = pool.ttft_seconds
         saturated = pool.waiting >= pool.pods or (ttft is not None and ttft > self.config.targets.ttft_seconds)
         if saturated:
             per = pool.prompt_tokens_per_second / pool.pods

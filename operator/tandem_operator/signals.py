@@ -75,6 +75,15 @@ class PoolSignals:
         return self.missing > 0
 
 
+    def as_status(self) -> dict[str, float | int]:
+        """camelCase and rounded, for `status.autoscaling`; values that are not known are left out."""
+        return _status({
+            "pods": self.pods, "missing": self.missing, "running": self.running, "waiting": self.waiting,
+            "kvUsage": self.kv_usage_mean, "promptTokensPerSecond": self.prompt_tokens_per_second,
+            "ttftSeconds": self.ttft_seconds, "itlSeconds": self.itl_seconds,
+        })
+
+
 @dataclass(frozen=True)
 class RouterSignals:
     readable: bool  # every router pod answered
@@ -82,6 +91,12 @@ class RouterSignals:
     in_flight: float = 0.0
     held: float = 0.0
     ttft_seconds: float | None = None
+
+    def as_status(self) -> dict[str, float | int]:
+        return _status({
+            "readable": self.readable, "arrivalsPerSecond": self.arrivals_per_second,
+            "inFlight": self.in_flight, "held": self.held, "ttftSeconds": self.ttft_seconds,
+        })
 
     @property
     def demand(self) -> bool:
@@ -97,6 +112,17 @@ class Signals:
     decode: PoolSignals
     prefill: PoolSignals | None = None
     percentile: int = 90
+
+    def as_status(self) -> dict[str, dict[str, float | int]]:
+        """What `status.autoscaling.signals` shows: one map per pool and one for the router."""
+        out = {"router": self.router.as_status(), "decode": self.decode.as_status()}
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.as_status()
+        return out
+
+
+def _status(values: dict[str, float | int | None]) -> dict[str, float | int]:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in values.items() if v is not None}
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

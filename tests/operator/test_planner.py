@@ -194,6 +194,17 @@ def test_from_zero_goes_to_min_and_waits_for_demand() -> None:
     assert (plan.decode.desired, plan.prefill.desired if plan.prefill else None) == (2, 1)
 
 
+def test_a_slow_decode_leg_does_not_grow_prefill() -> None:
+    """The router's TTFT holds the decode leg too; prefill answers only for its own queue and compute."""
+    planner = Planner(config(up=0))
+    signals = System().signals(0, Offered(streams=100, prompt_rate=500), Replicas(1, 1))
+    slow = dataclasses.replace(signals, router=dataclasses.replace(signals.router, ttft_seconds=9.0))
+    plan = planner.plan(slow, Replicas(1, 1))
+    assert plan.prefill is not None and plan.prefill.desired == 1
+    assert plan.prefill.reason == "prefill 1: TTFT p90 0.40 s < target 2.00 s"
+    assert plan.decode.desired == 7  # 100 streams / 16
+
+
 def test_colocated_decode_scales_on_ttft_too() -> None:
     planner = Planner(config(prefill=None))
     system = System(disaggregated=False, max_num_seqs=64)

@@ -132,6 +132,10 @@ def test_router_arrivals_ttft_held_and_readability() -> None:
     partial = signals(scrape(0, {}, router=before_text), scrape(20, {}, router={"r1": text(r1), "r2": None}), 90)
     assert not partial.router.readable and partial.router.arrivals_per_second is None
     assert not signals(None, scrape(0, {}), 90).router.readable  # no router pod at all
+    status = now.as_status()["router"]
+    assert status == {"readable": True, "arrivalsPerSecond": 2.0, "inFlight": 5.0, "held": 4.0,
+                      "ttftSeconds": round(router.ttft_seconds, 3)}
+    assert "arrivalsPerSecond" not in partial.as_status()["router"]  # unknown, not 0
 
 
 def test_parsers_refuse_other_texts() -> None:
