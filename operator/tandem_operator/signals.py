@@ -130,7 +130,8 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
+            if not math.isnan(s.value):  # a gauge with nothing to average over says nothing
+                out.setdefault(s.name, []).append((s.labels, s.value))
     return out
 
 
@@ -142,6 +143,8 @@ def _buckets(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) 
     """A histogram's cumulative buckets, summed over its label sets (models, endpoints)."""
     by_bound: dict[float, float] = {}
     for labels, value in samples.get(f"{name}_bucket", ()):
+        if "le" not in labels:
+            continue
         bound = float(labels["le"])
         by_bound[bound] = by_bound.get(bound, 0.0) + value
     return tuple(sorted(by_bound.items()))

@@ -145,6 +145,14 @@ def test_parsers_refuse_other_texts() -> None:
         parse_router(text(engine()))
 
 
+def test_odd_texts_are_missing_pods_or_skipped_values() -> None:
+    pods = read_pods({"html": "<html>502 Bad Gateway</html>", "empty": "", "nan": "vllm:num_requests_running 2\n"
+                      "vllm:kv_cache_usage_perc NaN\n"}, parse_engine)
+    assert pods["html"] is None and pods["empty"] is None
+    nan = pods["nan"]
+    assert nan is not None and (nan.running, nan.kv_usage) == (2, 0)
+
+
 def test_quantile_interpolates_within_the_bucket_like_histogram_quantile() -> None:
     buckets = ((0.1, 50.0), (0.2, 90.0), (0.4, 100.0), (math.inf, 100.0))
     assert quantile(0.5, buckets) == pytest.approx(0.1)
