@@ -9,13 +9,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONPATH=/app
 
 # The `operator` extra of pyproject.toml, pinned the same way.
-RUN pip install "kopf==1.45.2" "kubernetes>=37,<38" "pyyaml"
+RUN pip install "kopf==1.45.2" "kubernetes>=37,<38" "pyyaml" "prometheus_client>=0.20,<1"
 
 WORKDIR /app
 COPY operator/tandem_operator /app/tandem_operator
 
 # Fail the build if the operator ever pulls in torch or the engine.
-RUN python -c "import sys, tandem_operator.handlers, tandem_operator.cli; \
+RUN python -c "import sys, tandem_operator.handlers, tandem_operator.cli, tandem_operator.planner; \
 bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tandem_engine', 'tandem_router')]; \
 sys.exit(f'operator imports {bad}' if bad else 0)"
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_operator.autoscaling import AutoscalingSpec, parse_autoscaling
 from tandem_operator.naming import MAX_NAME_LENGTH
 from tandem_operator.ports import MAX_RANKS, EnginePorts
 
@@ -130,6 +131,7 @@ class InferenceServiceSpec:
     prefill: RoleSpec
     decode: RoleSpec
     router: RouterSpec
+    autoscaling: AutoscalingSpec | None = None  # None: fixed replicas
 
     @property
     def disaggregated(self) -> bool:
@@ -257,6 +259,7 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
     )
     decode = _role(r, r.section(spec, "decode", "spec"), "spec.decode", enabled_default=True)
     router = _router(r, r.section(spec, "router", "spec"), engine.image)
+    autoscaling = parse_autoscaling(r, spec, prefill.enabled)
 
     if prefill.enabled and kv is None:
         r.problems.append("spec.kvTransfer: a KV connector is required when prefill is enabled")
@@ -280,6 +283,7 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
         prefill=prefill,
         decode=decode,
         router=router,
+        autoscaling=autoscaling,
     )
 
 

@@ -12,7 +12,7 @@ from crd_utils import admit, all_rules, apply_defaults
 from isvc_utils import CRD_PATH, EXAMPLES, crd_schema, load_yaml, variant
 
 from tandem_operator import GROUP, KIND, PLURAL, VERSION
-from tandem_operator.spec import ROUTER_POLICIES, parse_spec
+from tandem_operator.spec import ROUTER_POLICIES, SpecError, parse_spec
 
 K8S_VERSIONS = ("1.28", "1.37")
 
@@ -46,6 +46,8 @@ def test_examples_are_admitted(path: Any) -> None:
     parse_spec(defaulted)  # and the operator accepts them too
 
 
+AUTOSCALED = {"prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 4}}
+
 INVALID = {
     "negative replicas": ({"spec.decode.replicas": -1}, "decode.replicas"),
     "replicas not a number": ({"spec.router.replicas": "two"}, "router.replicas"),
@@ -60,6 +62,22 @@ INVALID = {
     "managed flag in extraArgs": ({"spec.engine.extraArgs": ["--block-size=32"]}, "extraArgs"),
     "batch below seqs": ({"spec.engine.maxNumBatchedTokens": 8}, "maxNumBatchedTokens"),
     "name too long": ({"metadata.name": "x" * 41}, "40 characters"),
+    "autoscaling min above max": ({"spec.autoscaling": {"decode": {"minReplicas": 3, "maxReplicas": 2}}},
+                                  "minReplicas must be <= maxReplicas"),
+    "autoscaling without max": ({"spec.autoscaling": {"decode": {"minReplicas": 1}}}, "maxReplicas"),
+    "autoscaling without decode": ({"spec.autoscaling": {"intervalSeconds": 15}}, "decode"),
+    "ratio min above max": ({"spec.autoscaling": {**AUTOSCALED, "prefillDecodeRatio": {"min": 2, "max": 0.5}}},
+                            "prefillDecodeRatio.min must be <= max"),
+    "ratio without prefill bounds": ({"spec.autoscaling": {"decode": {"maxReplicas": 4},
+                                                           "prefillDecodeRatio": {"max": 2}}}, "prefillDecodeRatio"),
+    "percentile": ({"spec.autoscaling": {**AUTOSCALED, "targets": {"percentile": 80}}}, "percentile"),
+    "kv target above 1": ({"spec.autoscaling": {**AUTOSCALED, "fallback": {"kvCacheUsage": 1.5}}}, "kvCacheUsage"),
+    "zero on one role only": ({"spec.autoscaling": {"prefill": {"minReplicas": 0, "maxReplicas": 2},
+                                                    "decode": {"minReplicas": 1, "maxReplicas": 4}}}, "both"),
+    "decode to zero, prefill fixed": ({"spec.autoscaling": {"decode": {"minReplicas": 0, "maxReplicas": 4}}},
+                                      "needs autoscaling.prefill"),
+    "idle below 30 s": ({"spec.autoscaling": {**AUTOSCALED, "scaleToZero": {"idleSeconds": 5}}}, "idleSeconds"),
+    "prometheus url": ({"spec.autoscaling": {**AUTOSCALED, "prometheusURL": "prometheus:9090"}}, "prometheusURL"),
 }
 
 
@@ -68,6 +86,36 @@ def test_invalid_variants_are_refused(change: dict[str, Any], needle: str) -> No
     _, problems = admit(crd_schema(), variant(change))
     assert problems, "admitted"
     assert any(needle in p for p in problems), problems
+    # and the operator refuses it too, for a server that did not validate it
+    if "autoscaling" in next(iter(change)):
+        with pytest.raises(SpecError):
+            parse_spec(variant(change))
+
+
+def test_autoscaling_prefill_bounds_need_a_prefill_pool() -> None:
+    colocated = {"spec.kvTransfer": None, "spec.prefill": None}
+    _, problems = admit(crd_schema(), variant({**colocated, "spec.autoscaling": AUTOSCALED}))
+    assert any("needs a disaggregated service" in p for p in problems), problems
+    with pytest.raises(SpecError, match="only a disaggregated service"):
+        parse_spec(variant({**colocated, "spec.autoscaling": AUTOSCALED}))
+    decode_only = {"decode": {"minReplicas": 0, "maxReplicas": 3}, "scaleToZero": {"idleSeconds": 60}}
+    defaulted, problems = admit(crd_schema(), variant({**colocated, "spec.autoscaling": decode_only}))
+    assert problems == []
+    scaling = parse_spec(defaulted).autoscaling
+    assert scaling is not None and scaling.prefill is None and scaling.scale_to_zero
+
+
+def test_autoscaling_with_only_bounds_gets_the_documented_defaults() -> None:
+    defaulted, problems = admit(crd_schema(), variant({"spec.autoscaling": AUTOSCALED}))
+    assert problems == []
+    scaling = parse_spec(defaulted).autoscaling
+    assert scaling == parse_spec(variant({"spec.autoscaling": AUTOSCALED})).autoscaling
+    assert scaling is not None
+    assert (scaling.targets.percentile, scaling.targets.ttft_seconds, scaling.targets.itl_seconds) == (90, 2.0, 0.25)
+    assert (scaling.scale_up_seconds, scaling.scale_down_seconds, scaling.interval_seconds) == (30, 300, 15)
+    assert (scaling.ratio.min, scaling.ratio.max, scaling.prometheus_url) == (None, None, "")
+    assert not scaling.scale_to_zero
+    assert parse_spec(variant({})).autoscaling is None  # no block: fixed replicas
 
 
 def test_colocated_needs_no_connector() -> None:
