@@ -116,6 +116,10 @@ def router_command(spec: InferenceServiceSpec) -> list[str]:
         ]
     else:
         args += ["--discovery", "static"]
+    a = spec.autoscaling
+    if a is not None and a.scale_to_zero:
+        # At zero the router holds requests (and its demand brings the pools back): docs/operations.md.
+        args += ["--cold-start-timeout", str(a.hold_seconds)]
     return args
 
 

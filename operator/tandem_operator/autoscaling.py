@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from tandem_operator.spec import _Reader
 
 PERCENTILES = (50, 75, 90, 95, 99)
-PROMETHEUS_URL = re.compile(r"^https?://\S+$")
 
 
 @dataclass(frozen=True)
@@ -56,8 +55,8 @@ class AutoscalingSpec:
     scale_down_seconds: int
     ratio: RatioBounds
     idle_seconds: int
+    hold_seconds: int  # how long the router holds a request while no engine is up (scale to zero only)
     interval_seconds: int
-    prometheus_url: str  # "": scrape the pods
 
     @property
     def scale_to_zero(self) -> bool:
@@ -141,13 +140,8 @@ def parse_autoscaling(r: _Reader, spec: dict[str, Any], disaggregated: bool) -> 
         idle_seconds=r.required_int(
             r.section(raw, "scaleToZero", p), "idleSeconds", f"{p}.scaleToZero", 600, minimum=30, maximum=86400
         ),
+        hold_seconds=r.required_int(
+            r.section(raw, "scaleToZero", p), "holdSeconds", f"{p}.scaleToZero", 300, minimum=1, maximum=3600
+        ),
         interval_seconds=r.required_int(raw, "intervalSeconds", p, 15, minimum=1, maximum=600),
-        prometheus_url=_prometheus_url(r, raw, p),
     )
-
-
-def _prometheus_url(r: _Reader, raw: dict[str, Any], p: str) -> str:
-    url = r.string(raw, "prometheusURL", p, "") or ""
-    if url and not PROMETHEUS_URL.match(url):
-        r.problems.append(f"{p}.prometheusURL: must be an http:// or https:// URL, got {url!r}")
-    return url

@@ -15,6 +15,7 @@ from typing import Any
 import kopf
 
 from tandem_operator import GROUP, KIND, PLURAL, VERSION
+from tandem_operator.autoscaler import Autoscaler
 from tandem_operator.kube import KubeClient
 from tandem_operator.naming import LABEL_ISVC
 from tandem_operator.reconcile import ChildKey, Reconciler
@@ -123,6 +124,19 @@ async def reconcile_isvc(
             len(outcome.patched),
             len(outcome.deleted),
         )
+
+
+def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+    return spec.get("autoscaling") is not None
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=_autoscaled, cancellation_timeout=10)
+async def autoscale(
+    body: kopf.Body, namespace: str | None, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+) -> None:
+    """While `spec.autoscaling` is set: the planner's loop (autoscaler.py); kopf stops it when the field
+    goes or the service is deleted, and starts it again after an operator restart."""
+    await Autoscaler(memo["client"], str(namespace), name).run(body, stopped)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -60,6 +60,7 @@ class KubeClient:
         self.api_client = api_client
         self._apis: dict[type[Any], Any] = {}
         self.custom = k8s.CustomObjectsApi(api_client)
+        self._discovery: Any = None
 
     @classmethod
     async def connect(cls) -> KubeClient:
@@ -117,6 +118,27 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    async def patch_isvc(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A merge patch of the InferenceService itself (the autoscaler's `spec.<role>.replicas`)."""
+        method = self.custom.patch_namespaced_custom_object_without_preload_content
+        return await _result(await method(GROUP, VERSION, namespace, PLURAL, name, patch, _content_type=MERGE_PATCH))
+
+    async def ready_endpoints(self, namespace: str, service: str) -> dict[str, str]:
+        """Pod name (the address when no pod is named) -> IP of each ready endpoint of `service`, from its
+        EndpointSlices (`ready` unset counts as ready, as Kubernetes documents)."""
+        if self._discovery is None:
+            self._discovery = k8s.DiscoveryV1Api(self.api_client)
+        method = self._discovery.list_namespaced_endpoint_slice_without_preload_content
+        data = await _result(await method(namespace, label_selector=f"kubernetes.io/service-name={service}"))
+        out: dict[str, str] = {}
+        for slice_ in data.get("items") or []:
+            for ep in slice_.get("endpoints") or []:
+                if (ep.get("conditions") or {}).get("ready") is False or not ep.get("addresses"):
+                    continue
+                address = ep["addresses"][0]
+                out[(ep.get("targetRef") or {}).get("name") or address] = address
+        return out
 
     async def patch_isvc_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         method = self.custom.patch_namespaced_custom_object_status_without_preload_content

@@ -11,7 +11,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_operator.naming import Component
+from tandem_operator.naming import Component, selector_labels
 from tandem_operator.resources import router_url
 from tandem_operator.spec import InferenceServiceSpec
 
@@ -165,15 +165,21 @@ def compute_status(
                 previous,
             )
         )
+    roles = {role: {**s.as_status(), "selector": _selector(spec.name, role)} for role, s in states.items()}
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": conditions,
-        "prefill": states[Component.PREFILL].as_status() if Component.PREFILL in states else None,
-        "decode": states[Component.DECODE].as_status(),
-        "router": states[Component.ROUTER].as_status(),
+        "prefill": roles.get(Component.PREFILL),
+        "decode": roles[Component.DECODE],
+        "router": roles[Component.ROUTER],
         "endpoint": {"url": router_url(spec), "model": spec.model.served_name},
     }
     return status
+
+
+def _selector(isvc: str, role: Component) -> str:
+    """The role's pods as a label selector string (what the scale subresource hands to HPA and KEDA)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(isvc, role).items()))
 
 
 def invalid_status(problems: list[str], generation: int, current_status: dict[str, Any]) -> dict[str, Any]:

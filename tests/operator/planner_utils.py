@@ -38,7 +38,7 @@ def config(
         ratio=RatioBounds(*ratio),
         idle_seconds=idle_seconds,
         interval_seconds=int(INTERVAL),
-        prometheus_url="",
+        hold_seconds=300,
     )
 
 

@@ -234,11 +234,15 @@ def test_a_settled_inference_service_costs_no_writes(env: Env) -> None:
 
 
 def test_scaling_decode_adds_a_pod_the_router_discovers(env: Env) -> None:
+    # Through the scale subresource, as `kubectl scale`, an HPA or KEDA would.
     ns, name = "pd", "smollm2-pd"
-    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", '{"spec":{"decode":{"replicas":1}}}')
+    scale = env.get("tisvc", name, "-n", ns, "--subresource=scale")
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2, scale
+    assert scale["status"]["selector"] == f"{LABEL_ISVC}={name},{LABEL_ROLE}=decode", scale
+    env.ok("kubectl", "scale", "tisvc", name, "-n", ns, "--replicas=1")
     eventually(lambda: len(env.pods(ns, name, "decode")) == 1, 120, "decode did not scale down to 1")
     wait_ready(env, ns, name)
-    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", '{"spec":{"decode":{"replicas":2}}}')
+    env.ok("kubectl", "scale", "tisvc", name, "-n", ns, "--replicas=2")
     eventually(lambda: len(env.ready_pods(ns, name, "decode")) == 2, 400, "the second decode pod never got Ready")
     obj = wait_ready(env, ns, name)
     assert obj["status"]["decode"]["ready"] == "2/2", obj["status"]
@@ -301,6 +305,79 @@ def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
     assert not env.pods(ns, name, "prefill")
     (router,) = env.ready_pods(ns, name, "router")
     assert chat(env.url(router)) == reference["float32"]
+
+
+def autoscale(env: Env, ns: str, name: str, autoscaling: dict[str, Any]) -> None:
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"autoscaling": autoscaling}}))
+
+
+def scaling_events(env: Env, ns: str, name: str, reason: str) -> list[str]:
+    items = env.get("events", "-n", ns, "--field-selector", f"involvedObject.name={name},reason={reason}")["items"]
+    return [e["message"] for e in items]
+
+
+def test_the_planner_follows_a_load_ramp_and_says_why(env: Env) -> None:
+    """Streams push ITL past its target: decode goes 1 -> 2 and the new pod serves; the load stops and
+    decode returns to 1 after the down window. Events and status.autoscaling tell the story."""
+    ns, name = "colo", "smollm2"
+    autoscale(env, ns, name, {"decode": {"minReplicas": 1, "maxReplicas": 2}, "targets": {"itlSeconds": 0.02},
+                              "intervalSeconds": 2, "scaleUp": {"stabilizationSeconds": 0},
+                              "scaleDown": {"stabilizationSeconds": 20}})
+    (router,) = env.ready_pods(ns, name, "router")
+    url, stop = env.url(router), threading.Event()
+
+    def stream(i: int) -> None:
+        while not stop.is_set():
+            r = httpx.post(url + "/v1/completions", timeout=300, json={
+                "model": "smollm2-135m-instruct", "prompt": f"{i} Count to a hundred:", "max_tokens": 24,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+
+    with ThreadPoolExecutor(3) as pool:
+        load = [pool.submit(stream, i) for i in range(3)]
+        try:
+            eventually(lambda: env.get("tisvc", name, "-n", ns)["spec"]["decode"]["replicas"] == 2, 120,
+                       "the planner never scaled decode up under load", interval_s=1)
+            (up,) = scaling_events(env, ns, name, "ScaledUp")
+            assert up.startswith("decode 1->2: ITL p90") and "> target 0.02 s" in up, up
+            eventually(lambda: len(env.ready_pods(ns, name, "decode")) == 2, 400, "the new decode pod never got Ready")
+            newest = max(env.ready_pods(ns, name, "decode"), key=lambda p: p["metadata"]["creationTimestamp"])
+            eventually(lambda: metric(env.url(newest), "vllm:request_success_total") > 0, 120,
+                       "the router never sent a request to the new decode pod", interval_s=1)
+        finally:
+            stop.set()
+            for f in load:
+                f.result(timeout=300)
+    status = env.get("tisvc", name, "-n", ns)["status"]["autoscaling"]
+    assert status["signals"]["decode"]["pods"] >= 1 and status["lastScale"]["steps"][0]["to"] == 2, status
+    t_idle = time.monotonic()
+    eventually(lambda: env.get("tisvc", name, "-n", ns)["spec"]["decode"]["replicas"] == 1, 120,
+               "decode never scaled back down after the load stopped", interval_s=1)
+    assert time.monotonic() - t_idle >= 15, "scaled down before the 20 s down window"
+    (down,) = scaling_events(env, ns, name, "ScaledDown")
+    assert down.startswith("decode 2->1"), down
+    eventually(lambda: len(env.pods(ns, name, "decode")) == 1, 120, "the second decode pod never went away")
+
+
+def test_scale_to_zero_and_the_first_request_waits_for_the_pools(env: Env) -> None:
+    ns, name = "colo", "smollm2"
+    autoscale(env, ns, name, {"decode": {"minReplicas": 0, "maxReplicas": 2}, "intervalSeconds": 2,
+                              "scaleToZero": {"idleSeconds": 30, "holdSeconds": 240}})
+    # The router restarts with --cold-start-timeout; then, idle, both pools go to zero.
+    eventually(lambda: env.get("tisvc", name, "-n", ns)["spec"]["decode"]["replicas"] == 0, 180,
+               "decode never scaled to zero when idle", interval_s=2)
+    eventually(lambda: not env.pods(ns, name, "decode"), 120, "the decode pod outlived its scale to zero")
+    assert "Decode" in env.ok("kubectl", "get", "tisvc", name, "-n", ns)
+    (router,) = env.ready_pods(ns, name, "router")
+    assert "--cold-start-timeout" in router["spec"]["containers"][0]["args"]
+    t0 = time.monotonic()
+    assert chat(env.url(router), max_tokens=4)  # held by the router until a decode pod is Ready
+    waited = time.monotonic() - t0
+    obj = env.get("tisvc", name, "-n", ns)
+    assert obj["spec"]["decode"]["replicas"] == 1 and obj["status"]["decode"]["readyReplicas"] == 1, obj["status"]
+    assert any("held at the router" in m for m in scaling_events(env, ns, name, "ScaledUp")), "no ScaledUp from zero"
+    print(f"first request after scale to zero: answered in {waited:.1f} s")
 
 
 def test_deleting_the_inference_service_collects_every_child(env: Env) -> None:

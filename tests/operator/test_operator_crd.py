@@ -77,7 +77,6 @@ INVALID = {
     "decode to zero, prefill fixed": ({"spec.autoscaling": {"decode": {"minReplicas": 0, "maxReplicas": 4}}},
                                       "needs autoscaling.prefill"),
     "idle below 30 s": ({"spec.autoscaling": {**AUTOSCALED, "scaleToZero": {"idleSeconds": 5}}}, "idleSeconds"),
-    "prometheus url": ({"spec.autoscaling": {**AUTOSCALED, "prometheusURL": "prometheus:9090"}}, "prometheusURL"),
 }
 
 
@@ -113,7 +112,7 @@ def test_autoscaling_with_only_bounds_gets_the_documented_defaults() -> None:
     assert scaling is not None
     assert (scaling.targets.percentile, scaling.targets.ttft_seconds, scaling.targets.itl_seconds) == (90, 2.0, 0.25)
     assert (scaling.scale_up_seconds, scaling.scale_down_seconds, scaling.interval_seconds) == (30, 300, 15)
-    assert (scaling.ratio.min, scaling.ratio.max, scaling.prometheus_url) == (None, None, "")
+    assert (scaling.ratio.min, scaling.ratio.max, scaling.hold_seconds) == (None, None, 300)
     assert not scaling.scale_to_zero
     assert parse_spec(variant({})).autoscaling is None  # no block: fixed replicas
 
