@@ -108,7 +108,7 @@ class Autoscaler:
                 interval = await self.tick(session, body)
                 await stopped.wait(interval)
 
-    async def tick(self, session: aiohttp.ClientSession, body: Mapping[str, Any]) -> float:
+    async def tick(self, session: aiohttp.ClientSession, body: kopf.Body) -> float:
         """One scrape, plan and action; returns the seconds until the next tick."""
         try:
             spec = parse_spec(dict(body))
@@ -132,7 +132,7 @@ class Autoscaler:
         await self.act(body, plan, sig)
         return float(config.interval_seconds)
 
-    async def act(self, body: Mapping[str, Any], plan: Plan, sig: Signals) -> None:
+    async def act(self, body: kopf.Body, plan: Plan, sig: Signals) -> None:
         change = replicas_patch(plan)
         if change:
             await self.client.patch_isvc(self.namespace, self.name, {"spec": change})

@@ -6,7 +6,6 @@ Parsed by `spec.parse_spec`; docs/crd-reference.md lists the fields and docs/arc
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 

@@ -298,6 +298,44 @@ def test_deleting_a_decode_pod_under_load(env: Env) -> None:
     print("in-flight results:", results)
 
 
+def test_the_planner_grows_prefill_when_prompts_grow(env: Env) -> None:
+    """Long prompts push the prefill engines' TTFT past its target: prefill goes 1 -> 2, decode (held at
+    its bounds) stays; removing spec.autoscaling stops the planner and hands the replicas back."""
+    ns, name = "pd", "smollm2-pd"
+    autoscale(env, ns, name, {"prefill": {"minReplicas": 1, "maxReplicas": 2},
+                              "decode": {"minReplicas": 2, "maxReplicas": 2}, "targets": {"ttftSeconds": 0.05},
+                              "intervalSeconds": 2, "scaleUp": {"stabilizationSeconds": 0}})
+    (router,) = env.ready_pods(ns, name, "router")
+    url, stop = env.url(router), threading.Event()
+
+    def long_prompts(i: int) -> None:
+        while not stop.is_set():
+            r = httpx.post(url + "/v1/completions", timeout=300, json={
+                "model": "smollm2-135m-instruct", "prompt": f"{i} " + "a long shared document line. " * 150,
+                "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+    with ThreadPoolExecutor(2) as pool:
+        load = [pool.submit(long_prompts, i) for i in range(2)]
+        try:
+            eventually(lambda: env.get("tisvc", name, "-n", ns)["spec"]["prefill"]["replicas"] == 2, 120,
+                       "the planner never scaled prefill up under long prompts", interval_s=1)
+        finally:
+            stop.set()
+            for f in load:
+                f.result(timeout=300)
+    (up,) = scaling_events(env, ns, name, "ScaledUp")
+    assert up.startswith("prefill 1->2: TTFT p90") and "> target 0.05 s" in up, up
+    obj = env.get("tisvc", name, "-n", ns)
+    assert obj["spec"]["decode"]["replicas"] == 2, obj["spec"]
+    assert obj["status"]["autoscaling"]["signals"]["prefill"]["ttftSeconds"] > 0.05, obj["status"]["autoscaling"]
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"autoscaling": None, "prefill": {"replicas": 1}}}))
+    eventually(lambda: len(env.pods(ns, name, "prefill")) == 1, 120, "prefill did not go back to 1")
+    time.sleep(5)  # a planner still running would scale it up again
+    assert env.get("tisvc", name, "-n", ns)["spec"]["prefill"]["replicas"] == 1
+
+
 def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
     ns, name = "colo", "smollm2"
     apply_example(env, "colocated", ns)

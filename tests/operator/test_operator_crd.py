@@ -30,7 +30,11 @@ def test_crd_is_a_valid_custom_resource_definition() -> None:
     )
     assert "isvc" not in spec["names"]["shortNames"]  # KServe's
     (v,) = spec["versions"]
-    assert v["name"] == VERSION and v["served"] and v["storage"] and v["subresources"] == {"status": {}}
+    assert v["name"] == VERSION and v["served"] and v["storage"]
+    # `kubectl scale`, HPA and KEDA move the decode pool; they find its pods by status.decode.selector.
+    assert v["subresources"] == {"status": {}, "scale": {"specReplicasPath": ".spec.decode.replicas",
+                                                         "statusReplicasPath": ".status.decode.replicas",
+                                                         "labelSelectorPath": ".status.decode.selector"}}
     columns = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"]}
     assert columns["Model"] == ".spec.model.uri"
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'

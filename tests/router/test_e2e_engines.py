@@ -185,11 +185,11 @@ def test_kill_a_decode_engine_under_load_streams_migrate_then_it_is_readmitted(s
 
 
 async def _kill_under_load(stack: Stack) -> None:
-    """P/D: 8 streams (chat and completions, greedy and seeded) through the round-robin router, half on
+    """P/D: 16 streams (chat and completions, greedy and seeded) through the round-robin router, half on
     each decode engine; kill -9 decode-0 mid-stream. Its streams resume on decode-1 (a local prefill of
-    the prompt and the text so far, docs/architecture.md) and every answer equals the same request's in a
-    run without the failure."""
-    baseline = await run_all(stack.router, 8)
+    the prompt and the text so far, docs/architecture.md), every answer equals the same request's in a
+    run without the failure, and the engines left hold no KV block afterwards."""
+    baseline = await run_all(stack.router, 16)
     assert all(len(b.ids) == MAX_TOKENS and not b.errors for b in baseline)
     victim = stack.decode[0]
 
@@ -197,20 +197,22 @@ async def _kill_under_load(stack: Stack) -> None:
         await until(lambda: all(x.chunks >= 3 for x in readers), 120, "streams never got going")
         async with httpx.AsyncClient() as http:
             text = (await http.get(stack.router + "/metrics")).text
-        assert metric(text, "tandem:router_in_flight_requests", endpoint=victim) == 4  # round-robin: half
+        assert metric(text, "tandem:router_in_flight_requests", endpoint=victim) == 8  # round-robin: half
         os.killpg(stack.decode_pids[0], signal.SIGKILL)
 
-    failed = await run_all(stack.router, 8, kill)
+    failed = await run_all(stack.router, 16, kill)
     for b, f in zip(baseline, failed, strict=True):
         assert not f.errors, (f.i, f.errors)
         assert (f.ids, f.text, f.finish) == (b.ids, b.text, b.finish), f"request {f.i} differs after migration"
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ: a second run
         assert [f.usage[k] for k in counts] == [b.usage[k] for k in counts]
     await admitted(stack.router, victim, False, timeout=30)
+    for survivor in (stack.decode[1], stack.prefill):
+        await until(lambda s=survivor: scrape(s, "vllm:kv_cache_usage_perc") == 0.0, 30, f"{survivor} holds KV blocks")
     async with httpx.AsyncClient() as http:
         text = (await http.get(stack.router + "/metrics")).text
-    assert metric(text, "tandem:router_migrations_total") == 4
-    assert metric(text, UPSTREAM, endpoint=victim, outcome="broken") == 4
+    assert metric(text, "tandem:router_migrations_total") == 8
+    assert metric(text, UPSTREAM, endpoint=victim, outcome="broken") == 8
     client = openai.AsyncOpenAI(base_url=stack.router + "/v1", api_key="x", max_retries=0)
     # New requests succeed on the survivor (the first may meet a refused connection and be retried).
     for _ in range(3):
