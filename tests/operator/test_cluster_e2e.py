@@ -398,6 +398,12 @@ def test_the_planner_follows_a_load_ramp_and_says_why(env: Env) -> None:
     eventually(lambda: len(env.pods(ns, name, "decode")) == 1, 120, "the second decode pod never went away")
 
 
+def decode_column(env: Env, ns: str, name: str) -> str:
+    """The DECODE column of `kubectl get tisvc` (ready/desired)."""
+    header, row = env.ok("kubectl", "get", "tisvc", name, "-n", ns).splitlines()[:2]
+    return row[header.index("DECODE"):].split()[0]  # by position: a colocated service's PREFILL is blank
+
+
 def test_scale_to_zero_and_the_first_request_waits_for_the_pools(env: Env) -> None:
     ns, name = "colo", "smollm2"
     autoscale(env, ns, name, {"decode": {"minReplicas": 0, "maxReplicas": 2}, "intervalSeconds": 2,
@@ -406,7 +412,7 @@ def test_scale_to_zero_and_the_first_request_waits_for_the_pools(env: Env) -> No
     eventually(lambda: env.get("tisvc", name, "-n", ns)["spec"]["decode"]["replicas"] == 0, 180,
                "decode never scaled to zero when idle", interval_s=2)
     eventually(lambda: not env.pods(ns, name, "decode"), 120, "the decode pod outlived its scale to zero")
-    assert "Decode" in env.ok("kubectl", "get", "tisvc", name, "-n", ns)
+    assert decode_column(env, ns, name) == "0/0"
     (router,) = env.ready_pods(ns, name, "router")
     assert "--cold-start-timeout" in router["spec"]["containers"][0]["args"]
     t0 = time.monotonic()
@@ -415,6 +421,7 @@ def test_scale_to_zero_and_the_first_request_waits_for_the_pools(env: Env) -> No
     obj = env.get("tisvc", name, "-n", ns)
     assert obj["spec"]["decode"]["replicas"] == 1 and obj["status"]["decode"]["readyReplicas"] == 1, obj["status"]
     assert any("held at the router" in m for m in scaling_events(env, ns, name, "ScaledUp")), "no ScaledUp from zero"
+    assert decode_column(env, ns, name) == "1/1"
     print(f"first request after scale to zero: answered in {waited:.1f} s")
 
 
