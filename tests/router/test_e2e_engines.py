@@ -199,6 +199,8 @@ async def _kill_under_load(stack: Stack) -> None:
             text = (await http.get(stack.router + "/metrics")).text
         assert metric(text, "tandem:router_in_flight_requests", endpoint=victim) == 8  # round-robin: half
         os.killpg(stack.decode_pids[0], signal.SIGKILL)
+        # Noticed at once (before `tandem up` restarts it and the health checks admit it again).
+        await admitted(stack.router, victim, False, timeout=30)
 
     failed = await run_all(stack.router, 16, kill)
     for b, f in zip(baseline, failed, strict=True):
@@ -206,7 +208,6 @@ async def _kill_under_load(stack: Stack) -> None:
         assert (f.ids, f.text, f.finish) == (b.ids, b.text, b.finish), f"request {f.i} differs after migration"
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ: a second run
         assert [f.usage[k] for k in counts] == [b.usage[k] for k in counts]
-    await admitted(stack.router, victim, False, timeout=30)
     for survivor in (stack.decode[1], stack.prefill):
         await until(lambda s=survivor: scrape(s, "vllm:kv_cache_usage_perc") == 0.0, 30, f"{survivor} holds KV blocks")
     async with httpx.AsyncClient() as http:
