@@ -25,7 +25,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "operator")]
 
 import aiohttp  # noqa: E402
 from cluster_utils import LABEL_ISVC, LABEL_ROLE, dockerfile_entrypoints  # noqa: E402
-from harness import MODEL, text, write_results  # noqa: E402
+from harness import MODEL, bench_main, text  # noqa: E402
 from tests.k8s.cluster import Cluster, build_tools, eventually  # noqa: E402
 
 from tandem_router.bench.client import Record, Target, one_request  # noqa: E402
@@ -281,17 +280,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    a = parse_args()
-    load = [os.getloadavg()[0]]
-    work = Path(tempfile.mkdtemp(prefix="autoscaling-"))
-    print(f"work dir {work}; load average {load[0]:.2f}", flush=True)
-    res = asyncio.run(run(a, work))
-    load.append(os.getloadavg()[0])
-    res = {"command": "python bench/autoscaling.py " + " ".join(sys.argv[1:]),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load,
-           "config": vars(a), **res}
-    write_results("autoscaling", res, table(res), plot)
-    return 0
+    return bench_main("autoscaling", parse_args(), run, table, plot)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ import asyncio
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness import MODEL, text, write_results
+from harness import MODEL, bench_main, text
 
 from tandem_router.bench.client import Record, Target, one_request
 from tandem_router.bench.stats import describe
@@ -43,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=6, help="concurrent streams, half chat, half completions")
     p.add_argument("--prompt-words", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--kill-after", default="16,64", help="tokens every stream has when the engine dies")
+    p.add_argument("--kill-after", type=lambda v: [int(k) for k in v.split(",")], default=[16, 64],
+                   help="tokens every stream has when the engine dies, comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="trials per kill point")
     return p.parse_args()
 
@@ -186,7 +186,7 @@ async def run(a: argparse.Namespace, logs: Path) -> dict[str, Any]:
                               logs / "router.log").start()
         children.append(router)
         router.wait_healthy(60)
-        points = [int(k) for k in a.kill_after.split(",")]
+        points = a.kill_after
         print("warm-up", await trial(a, router, engines, 0, points[0]), flush=True)
         warm = {k: scrape(router.url, f"tandem:router_migration_resume_seconds_{k}") for k in ("sum", "count")}
         trials = []
@@ -201,17 +201,7 @@ async def run(a: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    a = parse_args()
-    load = [os.getloadavg()[0]]
-    logs = Path(tempfile.mkdtemp(prefix="migration-"))
-    print(f"process logs in {logs}; load average {load[0]:.2f}", flush=True)
-    res = asyncio.run(run(a, logs))
-    load.append(os.getloadavg()[0])
-    res = {"command": "python bench/migration.py " + " ".join(sys.argv[1:]),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load,
-           "config": {**vars(a), "kill_after": [int(k) for k in a.kill_after.split(",")]}, **res}
-    write_results("migration", res, table(res), plot)
-    return 0
+    return bench_main("migration", parse_args(), run, table, plot)
 
 
 if __name__ == "__main__":

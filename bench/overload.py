@@ -20,13 +20,12 @@ import asyncio
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness import MODEL, text, write_results
+from harness import MODEL, bench_main, text
 
 from tandem_router.bench.client import Record, Target, one_request
 from tandem_router.bench.stats import describe
@@ -221,17 +220,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    a = parse_args()
-    load = [os.getloadavg()[0]]
-    logs = Path(tempfile.mkdtemp(prefix="overload-"))
-    print(f"process logs in {logs}; load average {load[0]:.2f}", flush=True)
-    res = asyncio.run(run(a, logs))
-    load.append(os.getloadavg()[0])
-    res = {"command": "python bench/overload.py " + " ".join(sys.argv[1:]),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load,
-           "config": vars(a), **res}
-    write_results("overload", res, table(res), plot)
-    return 0
+    return bench_main("overload", parse_args(), run, table, plot)
 
 
 if __name__ == "__main__":
