@@ -37,7 +37,7 @@ run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/tandem up --model $(MODEL) --port $(PORT)
 
 test: setup tools ## run the whole test suite (the first run builds the Kubernetes tools: ~20 min)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/serving.py

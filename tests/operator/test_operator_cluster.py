@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
 NAME = "smollm2-pd"
 MERGE = "application/merge-patch+json"
 LABEL_ISVC = "serving.tandem.dev/inferenceservice"
+LABEL_ROLE = "serving.tandem.dev/role"
 
 
 def on_fake_node(body: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +161,8 @@ def test_create_builds_every_child_owned_and_labelled(api: Api, operator: KopfRu
     assert all(p["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet" for p in pods)
     assert ready["status"]["observedGeneration"] == 1
     assert ready["status"]["endpoint"]["url"] == f"http://{NAME}-router.{api.ns}.svc"
-    assert ready["status"]["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "ready": "2/2"}
+    assert ready["status"]["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "ready": "2/2",
+                                             "selector": f"{LABEL_ISVC}={NAME},{LABEL_ROLE}=decode"}
 
 
 def test_colocated_has_no_prefill(api: Api, operator: KopfRunner) -> None:
