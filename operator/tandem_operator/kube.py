@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 
-# kind -> (typed API class, method suffix)
+# kind -> (typed API class, method suffix): what the operator writes, and the EndpointSlices its planner reads
 KINDS: dict[str, tuple[type[Any], str]] = {
+    "EndpointSlice": (k8s.DiscoveryV1Api, "endpoint_slice"),
     "ConfigMap": (k8s.CoreV1Api, "config_map"),
     "Service": (k8s.CoreV1Api, "service"),
     "ServiceAccount": (k8s.CoreV1Api, "service_account"),
@@ -60,7 +61,6 @@ class KubeClient:
         self.api_client = api_client
         self._apis: dict[type[Any], Any] = {}
         self.custom = k8s.CustomObjectsApi(api_client)
-        self._discovery: Any = None
 
     @classmethod
     async def connect(cls) -> KubeClient:
@@ -127,9 +127,7 @@ class KubeClient:
     async def ready_endpoints(self, namespace: str, service: str) -> dict[str, str]:
         """Pod name (the address when no pod is named) -> IP of each ready endpoint of `service`, from its
         EndpointSlices (`ready` unset counts as ready, as Kubernetes documents)."""
-        if self._discovery is None:
-            self._discovery = k8s.DiscoveryV1Api(self.api_client)
-        method = self._discovery.list_namespaced_endpoint_slice_without_preload_content
+        method = self._method("EndpointSlice", "list")
         data = await _result(await method(namespace, label_selector=f"kubernetes.io/service-name={service}"))
         out: dict[str, str] = {}
         for slice_ in data.get("items") or []:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from tests.engine.engine_server import Server, launch
 from tests.router.test_admission import body, client, send
+from tests.router.test_cold_start import answer
 from tests.router.utils import eventually
 
 from tandem_router.procs import scrape
@@ -79,20 +80,16 @@ async def test_without_router_control_the_engine_refuses_with_429_and_retry_afte
     n = 10 * (SEQS + WAITING)
     async with client() as s:
         results = await asyncio.wait_for(
-            asyncio.gather(*(send_with_headers(s, r.url, *request(i, 0)) for i in range(n))), 240)
-    statuses = [status for status, _, _ in results]
+            asyncio.gather(*(answer(s, r.url, *request(i, 0)) for i in range(n))), 240)
+    statuses = [status for status, _, _, _ in results]
     assert set(statuses) <= {200, 429}, statuses
     assert statuses.count(200) >= SEQS + WAITING and statuses.count(429) > 0, statuses
-    for status, retry_after, text in results:
+    for status, retry_after, text, _ in results:
         if status == 429:  # the engine's own refusal, relayed with its Retry-After
-            assert retry_after is not None and int(retry_after) >= 1, text
+            assert retry_after and int(retry_after) >= 1, text
             assert json.loads(text)["error"]["code"] == 429
         else:
             assert whole(text)
     await eventually(lambda: scrape(engine.url, "vllm:kv_cache_usage_perc") == 0.0, timeout=20)
     await eventually(lambda: scrape(engine.url, "vllm:num_requests_running") == 0.0, timeout=20)
 
-
-async def send_with_headers(s, url: str, path: str, payload: dict[str, object]) -> tuple[int, str | None, str]:
-    async with s.post(url + path, json=payload) as resp:
-        return resp.status, resp.headers.get("Retry-After"), await resp.text()
