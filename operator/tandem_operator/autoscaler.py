@@ -53,8 +53,9 @@ async def scrape(client: KubeClient, session: aiohttp.ClientSession, spec: Infer
     async def pods(role: Component) -> dict[str, str]:
         return await client.ready_endpoints(ns, workload_name(spec.name, role))
 
-    router, decode = await asyncio.gather(pods(Component.ROUTER), pods(Component.DECODE))
-    prefill = await pods(Component.PREFILL) if spec.disaggregated else None
+    roles = (Component.ROUTER, Component.DECODE, *((Component.PREFILL,) if spec.disaggregated else ()))
+    router, decode, *rest = await asyncio.gather(*(pods(role) for role in roles))
+    prefill = rest[0] if rest else None
     at = time.monotonic()
     texts = await asyncio.gather(_texts(session, router, spec.router.port), _texts(session, decode, spec.engine.port),
                                  _texts(session, prefill or {}, spec.engine.port))
