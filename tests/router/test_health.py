@@ -12,11 +12,18 @@ from tests.router.utils import eventually, start_upstream_process
 from tandem_router.procs import free_port
 
 
-async def test_static_endpoints_are_admitted_by_the_first_check(upstream, router) -> None:
+async def test_static_endpoints_are_admitted_before_the_router_is_ready(upstream, router) -> None:
+    """The first round of checks is part of start-up: a request sent the moment the router is up is
+    served, not answered 503 because no check has admitted anyone yet (a slow interval makes a race
+    with the periodic checks impossible)."""
     up = await upstream(name="a")
-    r = await router(decode_urls=[up.url], health_interval=0.05)
-    ep = r.router.decode.endpoints[up.url]
-    await eventually(lambda: ep.healthy)
+    down = f"http://127.0.0.1:{free_port()}"
+    r = await router(decode_urls=[up.url, down], health_interval=30)
+    assert r.router.decode.endpoints[up.url].healthy
+    assert not r.router.decode.endpoints[down].healthy
+    async with aiohttp.ClientSession() as s, s.post(r.url + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["text"].startswith(" a-0")
 
 
 async def test_failed_checks_eject_and_a_passing_check_readmits(upstream, router) -> None:

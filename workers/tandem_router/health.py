@@ -31,8 +31,11 @@ class HealthChecker:
         self._load_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """The first round of checks runs before this returns (endpoints start unadmitted, so until then
+        the router could only answer 503), then the rest every `health_interval` on a task."""
         if self.router.config.health_interval > 0:
+            await self.check_all()
             self._task = asyncio.create_task(self._run(), name="health-checks")
         if self.router.scrapes_engine_load and self.router.config.load_interval > 0:
             self._load_task = asyncio.create_task(self._scrape_loads(), name="load-scrapes")
@@ -61,11 +64,11 @@ class HealthChecker:
         interval = self.router.config.health_interval
         while True:
             self._wake.clear()
-            await self.check_all()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
             if self._wake.is_set():
                 await asyncio.sleep(min(0.2, interval))  # coalesce bursts of pokes
+            await self.check_all()
 
     async def check_all(self) -> None:
         checks = [

@@ -86,7 +86,7 @@ class Router:
             auto_decompress=False,
         )
         await self.discovery.start(self)
-        self.health.start()
+        await self.health.start()  # "ready" means it knows which endpoints answer
         logger.info(
             "[startup] router ready: decode=%s prefill=%s policies decode=%s prefill=%s",
             sorted(self.decode.endpoints),
