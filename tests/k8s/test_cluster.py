@@ -4,10 +4,11 @@ read their downward API and token, and shut down as kubelet's would."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +19,19 @@ from tests.k8s.cluster import Cluster, eventually
 pytestmark = pytest.mark.k8s
 
 NODE = "tandem-node-0"
+
+
+@pytest.fixture(autouse=True)
+def delete_new_namespaces(k8s_cluster: Cluster) -> Iterator[None]:
+    """A test's pods stop with it: the crash-looping and probed ones would otherwise run, and take CPU,
+    for the rest of the suite (the namespace controller and the agent finish the deletion meanwhile)."""
+    def names() -> set[str]:
+        return {n["metadata"]["name"] for n in k8s_cluster.kube.get("/api/v1/namespaces")["items"]}
+
+    before = names()
+    yield
+    for ns in names() - before:
+        k8s_cluster.kube.delete(f"/api/v1/namespaces/{ns}")
 
 
 def condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -253,7 +267,9 @@ while True:
 """
 
 
-def test_delete_runs_prestop_then_sigterm_then_sigkill(k8s_cluster: Cluster) -> None:
+def test_delete_runs_prestop_then_sigterm_then_sigkill(k8s_cluster: Cluster,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tests.k8s")
     ns = k8s_cluster.create_namespace("grace")
     graceful = python_pod("graceful", GRACEFUL, terminationGracePeriodSeconds=20,
                           volumes=[{"name": "data", "emptyDir": {}}], container={
@@ -283,7 +299,13 @@ def test_delete_runs_prestop_then_sigterm_then_sigkill(k8s_cluster: Cluster) -> 
     assert "SIGTERM prestop-ran=True" in k8s_cluster.pod_log(ns, "graceful")
     assert graceful_s < 10, "a pod that exits on SIGTERM must not wait out its grace period"
     assert "ignoring SIGTERM" in k8s_cluster.pod_log(ns, "stubborn")
-    assert 3 <= stubborn_s < 12, f"SIGKILL comes when the 3 s grace period is over, not after {stubborn_s:.1f} s"
+    # Once (CI, a loaded 2-core machine) the stubborn pod was gone 0.1 s after the delete: the agent's
+    # lines and the pod's Events say who ended it, should it happen again.
+    timeline = [f"{r.relativeCreated / 1000:.2f} {r.getMessage()}" for r in caplog.records
+                if f"{ns}/" in r.getMessage()]
+    timeline += [f"event {e['reason']}: {e['message']}" for e in events(k8s_cluster, ns)]
+    assert 3 <= stubborn_s < 12, (f"SIGKILL comes when the 3 s grace period is over, not after {stubborn_s:.1f} s",
+                                  timeline)
     # The agent tears the sandbox down right after it deleted the pod object.
     eventually(lambda: not set(netns) & set(netns_names()), 10, "a deleted pod's netns remains")
 
