@@ -134,20 +134,27 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 
 async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> int:
-    import uvicorn
+    from tandem_engine.frontend.core_client import CoreClient, EngineStartupError
 
-    from tandem_engine.entrypoints.api_server import build_app
-    from tandem_engine.frontend.async_llm import AsyncLLM
-    from tandem_engine.frontend.core_client import EngineStartupError
-    from tandem_engine.frontend.interface import EngineDeadError
-
-    server_class = _make_server_class()
     t0 = time.perf_counter()
+    # The EngineCores start before this process imports torch and transformers (seconds): both import
+    # at once, and the engines load the model meanwhile.
+    core = CoreClient.start(config)
     try:
-        engine = await AsyncLLM.create(config)
+        import uvicorn
+
+        from tandem_engine.entrypoints.api_server import build_app
+        from tandem_engine.frontend.async_llm import AsyncLLM
+        from tandem_engine.frontend.interface import EngineDeadError
+
+        server_class = _make_server_class()
+        engine = await AsyncLLM.create(config, core)
     except EngineStartupError as e:
         logger.error("[startup] %s", e)
         return 1
+    except BaseException:
+        core.terminate()  # the engines must not outlive a frontend that failed to start
+        raise
     app = build_app(engine, engine.metrics.registry, config.kv_events_info())
     server = server_class(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          timeout_graceful_shutdown=30, access_log=False))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,18 +31,15 @@ class AsyncLLM(EngineClient):
     EngineCore READY and its outputs flowing."""
 
     @classmethod
-    async def create(cls, config: EngineConfig) -> AsyncLLM:
-        """Launch the EngineCores first, load the tokenizer while they load the model, wait for READY.
-        Raises EngineStartupError (the engines stopped) if one fails to start."""
-        t0 = time.perf_counter()
-        # Decide the EngineCores' thread count here, once, so the log and the metric say what they use.
-        plan = config.thread_plan()
-        config = dataclasses.replace(config, num_threads=plan.threads)
-        logger.info("[startup] %d intra-op thread(s) per EngineCore: %s", plan.threads, plan.reason)
-        src = resolve_model(config.model, config.cache_path)
-        core = CoreClient(config)
-        core.launch()
+    async def create(cls, config: EngineConfig, core: CoreClient | None = None) -> AsyncLLM:
+        """Launch the EngineCores first (or take `core`, launched by `CoreClient.start`), load the
+        tokenizer while they load the model, wait for READY. Raises EngineStartupError (the engines
+        stopped) if one fails to start."""
+        core = core or CoreClient.start(config)
+        config, plan = core.config, core.thread_plan
+        assert plan is not None
         try:
+            src = resolve_model(config.model, config.cache_path)
             hf_config, tokenizer, generation_config = await asyncio.to_thread(load_config_and_tokenizer, src)
             await core.wait_ready()
         except BaseException:
@@ -55,7 +51,7 @@ class AsyncLLM(EngineClient):
             await asyncio.to_thread(engine.tokenizer_spec)  # built off the event loop, before the first GET
         except TypeError as e:  # a slow tokenizer: the engine serves, without GET /tokenizer
             logger.warning("[startup] GET /tokenizer is unavailable: %s", e)
-        logger.info("[startup] %d engine(s) ready in %.1fs", len(core.procs), time.perf_counter() - t0)
+        logger.info("[startup] %d engine(s) ready in %.1fs", len(core.procs), time.perf_counter() - core.launched_at)
         return engine
 
     def __init__(self, config: EngineConfig, thread_plan: ThreadPlan, core: CoreClient,

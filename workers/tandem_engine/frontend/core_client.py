@@ -8,6 +8,7 @@ the engine with the fewest live requests, and aborts follow the request to its e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -20,6 +21,7 @@ import zmq.asyncio
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core_proc import EngineAddresses, run_engine_core
+from tandem_engine.cpu_budget import ThreadPlan
 from tandem_engine.frontend.interface import EngineDeadError
 from tandem_engine.protocol import (
     EngineCoreOutputs,
@@ -59,6 +61,20 @@ class CoreClient:
         self.owner: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self.thread_plan: ThreadPlan | None = None
+        self.launched_at = 0.0  # time.perf_counter() at launch()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> CoreClient:
+        """Decide the EngineCores' thread count (once, so that the log and the metric say what they
+        use) and launch them. Light to import: `tandem serve` calls it before it imports torch and
+        transformers for its tokenizer, so both imports run at once."""
+        plan = config.thread_plan()
+        logger.info("[startup] %d intra-op thread(s) per EngineCore: %s", plan.threads, plan.reason)
+        core = cls(dataclasses.replace(config, num_threads=plan.threads))
+        core.thread_plan = plan
+        core.launch()
+        return core
 
     @property
     def max_model_len(self) -> int:
@@ -72,6 +88,7 @@ class CoreClient:
             output=self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT),
             handshake=self._handshake.getsockopt_string(zmq.LAST_ENDPOINT),
         )
+        self.launched_at = time.perf_counter()
         mp = multiprocessing.get_context("spawn")
         for i in range(self.config.data_parallel_size):
             p = mp.Process(target=run_engine_core, args=(self.config, i, addresses, logging.getLogger().level),
