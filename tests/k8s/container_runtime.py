@@ -113,9 +113,10 @@ class MountPoints:
 
 def start(
     netns: str, hostname: str, argv: Sequence[str], env: Mapping[str, str], mounts: Sequence[Mount],
-    default_dir: str, working_dir: str, log_path: Path, mount_points: MountPoints,
+    default_dir: str, working_dir: str, log_path: Path, mount_points: MountPoints, cpus: Sequence[int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Starts the container; the repository's virtualenv must stay visible, so no mountPath may cover it."""
+    """Starts the container (pinned to `cpus` when given, see cpu_placement.py); the repository's virtualenv
+    must stay visible, so no mountPath may cover it."""
     triples: list[str] = []
     mount_points.ensure(Path(STAGE), is_file=False)
     for mount in mounts:
@@ -124,8 +125,9 @@ def start(
     wrapper = [IP, "netns", "exec", netns, UNSHARE, "--uts", "--", "sh", "-c", _MOUNT_AND_EXEC, "sh",
                hostname, default_dir, working_dir, STAGE, *triples, "--", *argv]
     with open(log_path, "ab") as log:
-        log.write(f"--- {time.strftime('%H:%M:%S')} start: {list(argv)}\n".encode())
-    return process.spawn(wrapper, log_path, env=env)
+        pinned = f" on CPUs {list(cpus)}" if cpus else ""
+        log.write(f"--- {time.strftime('%H:%M:%S')} start{pinned}: {list(argv)}\n".encode())
+    return process.spawn(wrapper, log_path, env=env, cpus=cpus)
 
 
 def exec_argv(pid: int, command: Sequence[str]) -> list[str]:

@@ -13,7 +13,9 @@ Lease, watches the Pods bound to it and runs each with a PodWorker. What differs
 - no kubelet API: `kubectl logs/exec/port-forward` do not work; container output goes to one log file per
   container under work_dir/pods/ (NodeAgent.pod_log);
 - volumes: emptyDir, configMap, secret, downwardAPI, projected (the service-account token); others keep the
-  pod Pending with a FailedMount event (pod_volumes.py).
+  pod Pending with a FailedMount event (pod_volumes.py);
+- CPU limits are kept with affinity, not a cgroup quota: a container with `limits.cpu` runs pinned to
+  ceil(limit) CPUs, the least used first (cpu_placement.py); memory limits are not enforced.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class ContainerRun:
     probers: list[Prober] = field(default_factory=list)
     restart_at: float | None = None  # time.monotonic() of the next start; None: no start planned
     backoff_s: float = 0.0
+    cpus: list[int] | None = None  # the CPUs its running process is pinned to (cpu_placement.py)
 
     @property
     def name(self) -> str:

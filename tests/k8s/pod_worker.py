@@ -20,6 +20,7 @@ from typing import Any
 
 from tests.k8s import container_runtime, process
 from tests.k8s.container_config import ConfigError, PodContext, container_argv, container_env, container_mounts
+from tests.k8s.cpu_placement import CpuPlacer
 from tests.k8s.kube import Kube
 from tests.k8s.pod_api import PodApi
 from tests.k8s.pod_network import PodNetwork, Sandbox
@@ -49,6 +50,7 @@ class NodeContext:
     working_dir: str
     entrypoints: Mapping[str, list[str]]
     mount_points: container_runtime.MountPoints = field(default_factory=container_runtime.MountPoints)
+    cpu_placer: CpuPlacer = field(default_factory=CpuPlacer)
 
 
 class PodWorker:
@@ -126,6 +128,8 @@ class PodWorker:
                 self._stop_probers(run)
                 if run.proc is not None:
                     process.stop(run.proc, grace_s=1.0)
+                    self.node.cpu_placer.release(run.cpus)
+                    run.cpus = None
             self._teardown()
 
     def _stopping(self) -> bool:
@@ -211,9 +215,10 @@ class PodWorker:
             run.restart_count += 1
         run.run_id += 1
         run.env = env
+        run.cpus = self.node.cpu_placer.place(spec)
         run.proc = container_runtime.start(
             self.sandbox.netns, self._hostname(), argv, env, mounts, self.node.working_dir, spec.get("workingDir", ""),
-            self.log_path(run.name), self.node.mount_points,
+            self.log_path(run.name), self.node.mount_points, run.cpus,
         )
         run.started_mono = time.monotonic()
         run.state = {"running": {"startedAt": rfc3339()}}
@@ -308,6 +313,8 @@ class PodWorker:
         assert run.proc is not None
         code = run.proc.returncode
         run.proc = None
+        self.node.cpu_placer.release(run.cpus)
+        run.cpus = None
         run.stopping = False
         self._stop_probers(run)
         # A runtime reports death by signal N as exit code 128+N.

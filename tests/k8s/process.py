@@ -26,9 +26,16 @@ def _die_with_parent() -> None:
 
 
 def spawn(
-    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+    cpus: Sequence[int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Starts argv in a new session (so Ctrl-C in a terminal reaches only us, and we stop it in order)."""
+    """Starts argv in a new session (so Ctrl-C in a terminal reaches only us, and we stop it in order),
+    pinned to `cpus` when given (its children inherit the affinity)."""
+    def preexec() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             list(argv),
@@ -38,7 +45,7 @@ def spawn(
             env=dict(env) if env is not None else None,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=preexec,
         )
 
 

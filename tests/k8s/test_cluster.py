@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import time
 import urllib.request
@@ -339,6 +340,31 @@ def test_unsupported_volume_keeps_pod_pending(k8s_cluster: Cluster) -> None:
     assert any(e["reason"] == "FailedMount" and message in e["message"] for e in events(k8s_cluster, ns))
     k8s_cluster.kube.delete(f"/api/v1/namespaces/{ns}/pods/hostpath")
     wait_gone(k8s_cluster, ns, "hostpath", 30)
+
+
+AFFINITY = "import os, time; print('cpus', sorted(os.sched_getaffinity(0)), flush=True); time.sleep(3600)"
+
+
+def test_a_cpu_limit_pins_the_container_to_that_many_cpus(k8s_cluster: Cluster) -> None:
+    """The node's stand-in for the CFS quota: a 1-CPU container sees one CPU, two such containers get
+    different ones while both run, a container without a limit sees them all."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    ns = k8s_cluster.create_namespace("cpus")
+    one = {"resources": {"limits": {"cpu": "1"}, "requests": {"cpu": "1"}}}
+    k8s_cluster.apply(ns, python_pod("a", AFFINITY, terminationGracePeriodSeconds=1, container=one),
+                      python_pod("b", AFFINITY, terminationGracePeriodSeconds=1, container=one),
+                      python_pod("free", AFFINITY, terminationGracePeriodSeconds=1))
+
+    def seen(name: str) -> list[int]:
+        pod = wait_pod(k8s_cluster, ns, name, lambda _: "cpus" in k8s_cluster.pod_log(ns, name), "never printed")
+        line = next(x for x in k8s_cluster.pod_log(ns, pod["metadata"]["name"]).splitlines() if x.startswith("cpus"))
+        return list(json.loads(line.split(" ", 1)[1]))
+
+    a, b, free = seen("a"), seen("b"), seen("free")
+    assert len(a) == len(b) == 1 and a != b, (a, b)
+    assert free == cpus
 
 
 FLAKY_ONCE = r"""
