@@ -50,6 +50,29 @@ async def test_openai_client_streamed_and_not_through_the_router(upstream, route
     assert all("authorization" not in s.headers and s.headers.get("x-request-id") for s in up.seen)
 
 
+async def test_every_answer_says_where_it_was_routed_and_why(upstream, router) -> None:
+    """`X-Tandem-Route` names the engine and the policy's reason, streamed or not: an operator can tell a
+    prefix hit from a spill to another engine without reading the router's logs."""
+    a = await upstream(name="a")
+    b = await upstream(name="b")
+    r = await router(decode_urls=[a.url, b.url], decode_policy="prefix-aware")
+    prompt = "the same long document " * 40
+    routes = []
+    async with aiohttp.ClientSession() as s:
+        for stream in (False, True, False):
+            async with s.post(r.url + "/v1/completions", json={"model": "m", "prompt": prompt, "stream": stream},
+                              headers={"X-Request-Id": f"r{len(routes)}"}) as resp:
+                assert resp.status == 200
+                await resp.read()
+                assert resp.headers["X-Request-Id"] == f"r{len(routes)}"
+                route = resp.headers["X-Tandem-Route"].split(";")
+                routes.append(dict(part.strip().partition("=")[::2] for part in route))
+    first, *rest = routes
+    assert "cold_hash" in first and first["endpoint"] in (a.url, b.url), routes
+    assert all("prefix_hit" in x and x["endpoint"] == first["endpoint"] for x in rest), routes
+    assert all(int(x["matched-blocks"]) > 0 for x in rest), routes
+
+
 async def test_retries_before_first_byte_then_ejects(upstream, router) -> None:
     bad = await upstream(name="bad", status=503)
     good = await upstream(name="good")

@@ -232,7 +232,7 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
     state = StreamState(req.kind, bool(req.body.get("return_token_ids")),
                         bool((req.body.get("stream_options") or {}).get("include_usage")))
     out = web.StreamResponse(status=up.resp.status, headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id})
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **up.headers(request_id)})
     await out.prepare(request)
     tried, resumed = {up.endpoint.url}, False
     # When the client last waited for a first chunk: the request's arrival, then each break.
@@ -332,5 +332,5 @@ async def relay_whole(router: Router, request: web.Request, up: Upstream, req: P
         metrics.ttft.labels(ep.url).observe(time.perf_counter() - t_start)
         metrics.upstream_requests.labels(ep.role.value, ep.url, str(up.resp.status)).inc()
         return web.Response(body=body, status=up.resp.status, content_type=up.resp.content_type,
-                            headers={"X-Request-Id": request_id})
+                            headers=up.headers(request_id))
     raise AssertionError("unreachable")

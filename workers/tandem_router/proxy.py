@@ -73,6 +73,14 @@ class Upstream:
     def endpoint(self) -> Endpoint:
         return self.decision.endpoint
 
+    def headers(self, request_id: str) -> dict[str, str]:
+        """The client's answer headers: its request id, and where the router sent it and why
+        (`X-Tandem-Route: prefix_hit; endpoint=http://...; matched-blocks=12`, the policy's reason as in
+        tandem:router_routing_decisions_total; the engine that began the answer when it migrated)."""
+        d = self.decision
+        return {"X-Request-Id": request_id,
+                "X-Tandem-Route": f"{d.reason}; endpoint={d.endpoint.url}; matched-blocks={d.matched_blocks}"}
+
     def close(self) -> None:
         """Idempotent: the endpoint's load is released once."""
         if self.closed:
@@ -187,15 +195,11 @@ async def relay(
                 body=body,
                 status=resp.status,
                 content_type=resp.content_type,
-                headers={"X-Request-Id": request_id},
+                headers=up.headers(request_id),
             )
         out = web.StreamResponse(
             status=resp.status,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": request_id,
-            },
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **up.headers(request_id)},
         )
         await out.prepare(request)
         first = True
