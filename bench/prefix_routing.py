@@ -173,13 +173,24 @@ async def one_run(a: argparse.Namespace, n: int, policy: str, logs: Path) -> dic
     summary["ideal_hit_rate"] = ideal_hit_rate([r for r in records if r.ok], tok, tok.block_size)
     if agreement:
         summary["replica_agreement"] = sum(len(set(x)) == 1 for x in agreement) / len(agreement)
+    summary["slowest"] = slowest(records)
     print(f"== {n} engines, {policy}: hit {summary['prefix_cache_hit_rate']:.3f} "
           f"(ideal {summary['ideal_hit_rate']:.3f}), TTFT p50 {summary['ttft_ms']['p50']:.0f} ms "
           f"p99 {summary['ttft_ms']['p99']:.0f} ms, failed {summary['failed']}", flush=True)
     return {"engines": n, "policy": policy, "summary": summary,
             "requests": [{"start": r.start, "group": r.group, "turn": r.turn, "ok": r.ok, "ttft": r.ttft,
-                          "e2e": r.e2e, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
+                          "e2e": r.e2e, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                          "route": r.route}
                          for r in records]}
+
+
+def slowest(records: list[Record], share: float = 0.02) -> list[dict[str, Any]]:
+    """The slowest `share` of requests by TTFT, with the router's reason (X-Tandem-Route) and what the
+    engine then had cached: a tail of `overflow` is the load bound spilling a conversation, a tail of
+    `prefix_hit` with cached_tokens 0 is an engine that evicted what the index said it held."""
+    done = sorted((r for r in records if r.ok), key=lambda r: r.ttft, reverse=True)
+    return [{"ttft": round(r.ttft, 3), "turn": r.turn, "route": r.route, "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens} for r in done[:max(1, round(len(done) * share))]]
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:

@@ -31,6 +31,7 @@ class Record:
     text: str = ""
     body: dict[str, Any] = field(default_factory=dict, repr=False)  # what was sent
     request_id: str = ""  # sent as X-Request-Id when set (the router logs it, e.g. with a migration)
+    route: str = ""  # the router's X-Tandem-Route answer header: where it sent the request and why
 
     @property
     def tpot(self) -> float | None:
@@ -89,6 +90,7 @@ async def one_request(
         async with http.post(
             target.url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=target.timeout)
         ) as resp:
+            rec.route = resp.headers.get("X-Tandem-Route", "")
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
