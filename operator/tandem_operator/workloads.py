@@ -267,7 +267,9 @@ def build_engine_deployment(spec: InferenceServiceSpec, role: Component, config_
         ports=ports,
         env=_engine_env(spec),
         mounts=mounts,
-        startup_probe=http_probe("http", period=10, failures=math.ceil(role_spec.startup_seconds / 10), timeout=5),
+        # Probed every 2 s while it starts: a 10 s period left a Ready engine unused for up to 10 s, which
+        # every scale-up and every scale from zero would wait out.
+        startup_probe=http_probe("http", period=2, failures=math.ceil(role_spec.startup_seconds / 2), timeout=5),
         liveness_failures=6,
         resources=role_spec.resources,
     )

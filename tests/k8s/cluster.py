@@ -127,6 +127,11 @@ class Cluster:
         assert self.agent is not None
         return self.agent.pod_log(namespace, name)
 
+    def pod_output(self, namespace: str, name: str) -> list[str]:
+        """The lines the pod's containers printed, without the agent's headers: those quote each
+        container's command, so a test looking for what a script prints must not search them."""
+        return [line for line in self.pod_log(namespace, name).splitlines() if not line.startswith(("==> ", "--- "))]
+
 
 def eventually(predicate: Any, timeout_s: float, message: str, interval_s: float = 0.25) -> Any:
     """Polls predicate until it returns something truthy (returned), or fails with message."""

@@ -155,7 +155,7 @@ def test_deployment_serves_by_pod_ip_and_service_name(k8s_cluster: Cluster) -> N
     ), restartPolicy="Never")
     k8s_cluster.apply(ns, client)
     wait_pod(k8s_cluster, ns, "client", lambda p: p["status"].get("phase") == "Succeeded", "did not succeed")
-    log = k8s_cluster.pod_log(ns, "client")
+    log = k8s_cluster.pod_output(ns, "client")
     for line in ("web 200", "web.web 200", "web.web.svc.cluster.local 200"):
         assert line in log, log
 
@@ -231,7 +231,7 @@ def test_downward_api_and_service_account_token(k8s_cluster: Cluster) -> None:
 
     allowed = wait_pod(k8s_cluster, ns, "allowed", finished, "never finished")
     denied = wait_pod(k8s_cluster, ns, "denied", finished, "never finished")
-    allowed_log, denied_log = k8s_cluster.pod_log(ns, "allowed"), k8s_cluster.pod_log(ns, "denied")
+    allowed_log, denied_log = k8s_cluster.pod_output(ns, "allowed"), k8s_cluster.pod_output(ns, "denied")
     assert allowed["status"]["phase"] == "Succeeded", allowed_log
     assert "LISTED 2" in allowed_log
     assert denied["status"]["phase"] == "Failed", denied_log
@@ -239,7 +239,7 @@ def test_downward_api_and_service_account_token(k8s_cluster: Cluster) -> None:
     main = next(c for c in denied["status"]["containerStatuses"] if c["name"] == "main")
     assert main["state"]["terminated"]["exitCode"] == 3
 
-    env = json.loads(next(line for line in allowed_log.splitlines() if line.startswith("ENV "))[4:])
+    env = json.loads(next(line for line in allowed_log if line.startswith("ENV "))[4:])
     assert env == {
         "POD_NAME": "allowed", "POD_NAMESPACE": ns, "POD_IP": allowed["status"]["podIP"], "NODE_NAME": NODE,
         "SA_NAME": "reader", "CPU_LIMIT_M": "500", "MEM_LIMIT_MI": "256", "CPU_REQUEST_M": "250",
@@ -281,7 +281,7 @@ def test_delete_runs_prestop_then_sigterm_then_sigkill(k8s_cluster: Cluster,
     k8s_cluster.apply(ns, graceful, stubborn)
 
     def up(pod: dict[str, Any]) -> bool:
-        return is_ready(pod) and "up" in k8s_cluster.pod_log(ns, pod["metadata"]["name"])
+        return is_ready(pod) and "up" in k8s_cluster.pod_output(ns, pod["metadata"]["name"])
 
     for name in ("graceful", "stubborn"):
         wait_pod(k8s_cluster, ns, name, up, "never came up")
@@ -297,9 +297,9 @@ def test_delete_runs_prestop_then_sigterm_then_sigkill(k8s_cluster: Cluster,
     wait_gone(k8s_cluster, ns, "stubborn", 20)
     stubborn_s = time.monotonic() - deleted
 
-    assert "SIGTERM prestop-ran=True" in k8s_cluster.pod_log(ns, "graceful")
+    assert "SIGTERM prestop-ran=True" in k8s_cluster.pod_output(ns, "graceful")
     assert graceful_s < 10, "a pod that exits on SIGTERM must not wait out its grace period"
-    assert "ignoring SIGTERM" in k8s_cluster.pod_log(ns, "stubborn")
+    assert "ignoring SIGTERM" in k8s_cluster.pod_output(ns, "stubborn")
     # Once (CI, a loaded 2-core machine) the stubborn pod was gone 0.1 s after the delete: the agent's
     # lines and the pod's Events say who ended it, should it happen again.
     timeline = [f"{r.relativeCreated / 1000:.2f} {r.getMessage()}" for r in caplog.records
@@ -325,7 +325,7 @@ def test_liveness_failure_restarts_container(k8s_cluster: Cluster) -> None:
     pod = wait_pod(k8s_cluster, ns, "unhealthy", restarted_twice, "was not restarted twice")
     last = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert last["exitCode"] in (143, 137), last
-    assert k8s_cluster.pod_log(ns, "unhealthy").count("started") >= 3
+    assert k8s_cluster.pod_output(ns, "unhealthy").count("started") >= 3
     assert {"Unhealthy", "Killing"} <= {e["reason"] for e in events(k8s_cluster, ns)}
 
 
@@ -358,9 +358,11 @@ def test_a_cpu_limit_pins_the_container_to_that_many_cpus(k8s_cluster: Cluster) 
                       python_pod("free", AFFINITY, terminationGracePeriodSeconds=1))
 
     def seen(name: str) -> list[int]:
-        pod = wait_pod(k8s_cluster, ns, name, lambda _: "cpus" in k8s_cluster.pod_log(ns, name), "never printed")
-        line = next(x for x in k8s_cluster.pod_log(ns, pod["metadata"]["name"]).splitlines() if x.startswith("cpus"))
-        return list(json.loads(line.split(" ", 1)[1]))
+        def printed() -> list[str]:
+            return [x for x in k8s_cluster.pod_output(ns, name) if x.startswith("cpus ")]
+
+        wait_pod(k8s_cluster, ns, name, lambda _: bool(printed()), "never printed")
+        return list(json.loads(printed()[0].split(" ", 1)[1]))
 
     a, b, free = seen("a"), seen("b"), seen("free")
     assert len(a) == len(b) == 1 and a != b, (a, b)
@@ -395,5 +397,5 @@ def test_init_container_config_map_volume_and_on_failure_restart(k8s_cluster: Cl
     main = pod["status"]["containerStatuses"][0]
     assert main["restartCount"] == 1 and main["lastState"]["terminated"]["exitCode"] == 1, main
     assert condition(pod, "Initialized")["status"] == "True"
-    log = k8s_cluster.pod_log(ns, "staged")
+    log = k8s_cluster.pod_output(ns, "staged")
     assert "failing once" in log and "init wrote: hello from a ConfigMap" in log, log
