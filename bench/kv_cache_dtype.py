@@ -32,7 +32,7 @@ from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.worker.greedy_probe import GreedyRun, greedy_decode
+from tandem_engine.worker.greedy_probe import GreedyRun, greedy_decode, logprob_drift, token_agreement
 
 KV_DTYPES = ["float32", "bfloat16", "float16"]
 # The fixed quality prompts: prose, code, lists, facts and a long context, so drift is seen over varied text.
@@ -93,13 +93,9 @@ def decode_tok_s(core: EngineCore, batch: int, prompt_len: int, decode_len: int)
 
 def quality(run: GreedyRun, forced: GreedyRun, ref: GreedyRun) -> dict[str, float]:
     """`run`: the cache's own greedy decode; `forced`: fed `ref`'s (float32's) greedy tokens."""
-    def share(a: list[list[int]], b: list[list[int]]) -> float:
-        pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-        return sum(x == y for x, y in pairs) / len(pairs)
-
-    drift = [abs(x - y) for fa, ra in zip(forced.logprobs, ref.logprobs, strict=True)
-             for x, y in zip(fa, ra, strict=True)]
-    return {"greedy_agreement": share(run.greedy, ref.greedy), "forced_top1": share(forced.greedy, ref.greedy),
+    drift = logprob_drift(forced, ref)
+    return {"greedy_agreement": token_agreement(run.greedy, ref.greedy),
+            "forced_top1": token_agreement(forced.greedy, ref.greedy),
             "logprob_drift_mean": sum(drift) / len(drift), "logprob_drift_max": max(drift)}
 
 

@@ -15,7 +15,7 @@ from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.models.loader import LoadedModel, load_config_and_tokenizer, load_model, resolve_model
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.worker.greedy_probe import GreedyRun, greedy_decode
+from tandem_engine.worker.greedy_probe import GreedyRun, greedy_decode, logprob_drift, token_agreement
 from tandem_engine.worker.model_runner import ModelRunner, kv_cache_dtype
 
 pytestmark = [
@@ -69,11 +69,6 @@ def serve(core: EngineCore, prompts: list[list[int]], tag: str) -> tuple[list[li
     return [tokens[r] for r in ids], [cached[r] for r in ids]
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
 def all_blocks_free(core: EngineCore) -> bool:
     pool: Any = core.scheduler.kv.pool
     return bool(pool.num_free_blocks == pool.num_blocks - 1 and pool.ref_cnt[1:] == [0] * (pool.num_blocks - 1))
@@ -98,7 +93,7 @@ def test_bfloat16_cache_serves_close_to_float32_and_returns_every_block(
         assert core.runner.num_blocks in (2 * fp32_runner.num_blocks, 2 * fp32_runner.num_blocks + 1)
         out, _ = serve(core, prompts, "a")
         assert all(len(o) == STEPS for o in out)
-        share = agreement(out, fp32_run.greedy)
+        share = token_agreement(out, fp32_run.greedy)
         print(f"bf16 KV vs float32 KV: greedy agreement {share:.3f} over {len(prompts)} x {STEPS} tokens")
         assert share >= 0.75
         assert all_blocks_free(core)
@@ -120,9 +115,8 @@ def test_teacher_forced_logprob_drift_is_small(kv: str, fp32: tuple[ModelRunner,
     """Fed the float32 cache's greedy tokens, a 16-bit cache gives them nearly the same logprobs."""
     _, ref = fp32
     run = greedy_decode(ModelRunner(engine_config(kv), loaded, MAX_LEN), prompts, STEPS, forced=ref.kept)
-    drift = [abs(a - b) for ra, rb in zip(run.logprobs, ref.logprobs, strict=True)
-             for a, b in zip(ra, rb, strict=True)]
-    top1 = agreement(run.greedy, ref.greedy)
+    drift = logprob_drift(run, ref)
+    top1 = token_agreement(run.greedy, ref.greedy)
     print(f"{kv} KV: |logprob drift| mean {sum(drift) / len(drift):.4f} max {max(drift):.4f}, "
           f"teacher-forced top-1 agreement {top1:.3f}")
     assert sum(drift) / len(drift) < 0.05

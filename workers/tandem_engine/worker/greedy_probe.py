@@ -49,3 +49,15 @@ def greedy_decode(runner: ModelRunner, prompts: list[list[int]], steps: int,
             logits = runner._forward([[k] for k in kept], [len(p) + t for p in prompts], tables,
                                      [True] * len(prompts))
     return run
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of positions, over all prompts, where two runs' tokens are equal."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def logprob_drift(run: GreedyRun, ref: GreedyRun) -> list[float]:
+    """|logprob difference| of the kept tokens at every position (both runs fed the same tokens)."""
+    assert run.kept == ref.kept, "drift compares runs fed the same tokens"
+    return [abs(x - y) for ra, rb in zip(run.logprobs, ref.logprobs, strict=True) for x, y in zip(ra, rb, strict=True)]
