@@ -28,7 +28,8 @@ MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is Paris, the capital of Germany is Berlin, and the capital of Italy is",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively.\"\"\"\n",
            "Once upon a time, in a small village at the edge of a great forest, there lived an old man who",
-           "Photosynthesis is the process by which green plants and some other organisms use sunlight to"]
+           "Photosynthesis is the process by which green plants, algae and some bacteria turn the energy of "
+           "sunlight into"]
 STEPS = 32
 GIB = 0.05  # 72 float32 blocks of 16 tokens for SmolLM2 (30 layers, 3 KV heads of 64)
 MAX_LEN = 512
@@ -95,7 +96,7 @@ def test_bfloat16_cache_serves_close_to_float32_and_returns_every_block(
         assert all(len(o) == STEPS for o in out)
         share = token_agreement(out, fp32_run.greedy)
         print(f"bf16 KV vs float32 KV: greedy agreement {share:.3f} over {len(prompts)} x {STEPS} tokens")
-        assert share >= 0.75
+        assert share >= 0.8  # 1.0 measured
         assert all_blocks_free(core)
         # The prompts again: their full blocks are prefix-cache hits on 16-bit blocks, same tokens.
         again, cached = serve(core, prompts, "b")
@@ -119,7 +120,8 @@ def test_teacher_forced_logprob_drift_is_small(kv: str, fp32: tuple[ModelRunner,
     top1 = token_agreement(run.greedy, ref.greedy)
     print(f"{kv} KV: |logprob drift| mean {sum(drift) / len(drift):.4f} max {max(drift):.4f}, "
           f"teacher-forced top-1 agreement {top1:.3f}")
-    assert sum(drift) / len(drift) < 0.05
-    assert max(drift) < 0.5
-    assert top1 >= 0.9
+    # Measured on SmolLM2: bfloat16 mean 0.0026, max 0.013; float16 mean 0.0004, max 0.002; top-1 1.0.
+    assert sum(drift) / len(drift) < 0.02
+    assert max(drift) < 0.25
+    assert top1 >= 0.95
     assert max(drift) > 0  # the cache really is narrower: a float32 path would give exactly 0
