@@ -179,6 +179,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
                    va="bottom", fontsize=8)
     drift.set_xticks(xs, names)
     drift.set_yscale("symlog", linthresh=1e-3)
+    drift.set_ylim(0, 5 * max(max(kv[n]["logprob_drift_max"] for n in names), 1e-3))  # room for the labels
     drift.set_ylabel("|logprob - float32 logprob| of float32's greedy tokens")
     drift.legend(fontsize=8)
     drift.set_title("Quality against the float32 cache", fontsize=10)
