@@ -15,6 +15,7 @@ from tandem_engine.cpu_budget import ThreadPlan, plan_threads
 
 EngineRole = Literal["both", "prefill", "decode"]  # colocated, or one side of P/D
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16"]  # vLLM's values; auto: the model's dtype
 KVFailurePolicy = Literal["fail", "recompute"]
 KVConnectorName = Literal["NixlConnector"]  # the one connector today; the CRD names it too
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -43,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     # Cache
     block_size: int = 16
+    kv_cache_dtype: KVCacheDType = "auto"  # what the cache stores; attention computes in the model's dtype
     kv_cache_gib: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gib (tests use it to force preemption)
     enable_prefix_caching: bool = True

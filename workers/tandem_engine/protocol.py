@@ -81,6 +81,7 @@ class ReadyMessage(msgspec.Struct, tag=True):
     pid: int
     engine_id: str = ""
     startup_seconds: float = 0.0
+    kv_cache_dtype: str = ""  # what the KV cache stores, as --kv-cache-dtype spells it ("bfloat16")
 
 
 class FailedMessage(msgspec.Struct, tag=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -23,17 +25,21 @@ def run_step(
     use_kernel: bool = False,
     heads: tuple[int, int, int] = (NQ, NKV, D),
     bs: int = BS,
+    kv_dtype: torch.dtype | None = None,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill each sequence's earlier context into its blocks, write this step's K/V, attend; return
-    (backend output, reference output), both [T, NQ, D]."""
+    (backend output, reference output), both [T, NQ, D]. A `kv_dtype` cache (default: `dtype`) stores
+    rounded keys and values: the reference attends over the same rounded values, in `dtype`."""
     nq, nkv, d = heads
     g = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
     # Unwritten slots hold a large finite value: any weight given to one shows up in the result.
-    k_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=dtype)
-    v_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=dtype)
+    k_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=kv_dtype)
+    v_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=kv_dtype)
     backend = TorchAttentionBackend(use_kernel=use_kernel)
     keys = [torch.randn(s, nkv, d, generator=g).to(dtype) for s in seq_lens]
-    vals = [torch.randn(s, nkv, d, generator=g).to(dtype) for s in seq_lens]
+    vals = [(torch.randn(s, nkv, d, generator=g) * v_scale).to(dtype) for s in seq_lens]
     # Cached context, written as an earlier step would have.
     ctx = [s - q for q, s in zip(query_lens, seq_lens, strict=True)]
     if sum(ctx):
@@ -59,6 +65,7 @@ def run_step(
     out = backend.forward(query, k_cache, v_cache, meta, scale)
     ref, start = [], 0
     for q, k, v in zip(query_lens, keys, vals, strict=True):
+        k, v = k.to(kv_dtype).to(dtype), v.to(kv_dtype).to(dtype)
         ref.append(dense_causal_attention(query[start : start + q], k, v, scale))
         start += q
     return out, torch.cat(ref)
@@ -119,3 +126,55 @@ def test_bfloat16_close_to_reference() -> None:
     out, ref = run_step(*CASES["mixed"], seed=1, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+KV16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("kv", KV16)
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
+@pytest.mark.parametrize("case", CASES)
+def test_16_bit_cache_computes_in_float32_over_its_rounded_values(case: str, use_kernel: bool, kv: str) -> None:
+    """A float32 model over a bfloat16 or float16 cache (--kv-cache-dtype): exact float32 attention of the
+    rounded keys and values, so only the rounding at write time differs from a float32 cache."""
+    out, ref = run_step(*CASES[case], use_kernel=use_kernel, kv_dtype=KV16[kv])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv", KV16)
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
+@pytest.mark.parametrize(("heads", "bs"), [((9, 3, 64), 16), ((3, 1, 13), 5), ((8, 1, 128), 16), ((5, 5, 7), 3)],
+                         ids=["smollm2", "odd_d13_bs5", "mqa_d128", "mha_d7_bs3"])
+def test_16_bit_cache_head_layouts_and_block_sizes(heads: tuple[int, int, int], bs: int, use_kernel: bool,
+                                                   kv: str) -> None:
+    """Decode rows, a long prefill, a two-token chunk, over shuffled blocks (odd head dims and block sizes)."""
+    seq_lens = [40, 20, 35, 17]
+    free = random.Random(bs).sample(range(1, NUM_BLOCKS), NUM_BLOCKS - 1)
+    tables = [[free.pop() for _ in range(-(-s // bs))] for s in seq_lens]
+    out, ref = run_step([1, 20, 2, 1], seq_lens, tables, use_kernel=use_kernel, heads=heads, bs=bs,
+                        kv_dtype=KV16[kv])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
+def test_float16_cache_reads_subnormal_values_exactly(use_kernel: bool) -> None:
+    """Values under float16's smallest normal (6.1e-5) are stored as subnormals; reading them back must not
+    flush them to zero (the output is a weighted mean of values of order 1e-6)."""
+    out, ref = run_step(*CASES["decode"], use_kernel=use_kernel, kv_dtype=torch.float16, v_scale=2e-6)
+    assert ref.abs().max() < 6.1e-5 and ref.abs().max() > 1e-7
+    torch.testing.assert_close(out, ref, atol=1e-11, rtol=1e-4)
+
+
+def test_write_rounds_to_the_cache_dtype_and_touches_only_its_slots() -> None:
+    backend = TorchAttentionBackend()
+    key, value = torch.randn(3, NKV, D) * 100, torch.randn(3, NKV, D)
+    k_cache = torch.zeros(NUM_BLOCKS, BS, NKV, D, dtype=torch.bfloat16)
+    v_cache = torch.zeros(NUM_BLOCKS, BS, NKV, D, dtype=torch.bfloat16)
+    slots = torch.tensor([9, 2, 33])
+    backend.write_kv(key, value, k_cache, v_cache, slots)
+    expect_k = torch.zeros(NUM_BLOCKS * BS, NKV, D, dtype=torch.bfloat16)
+    expect_k[slots] = key.to(torch.bfloat16)
+    assert torch.equal(k_cache.view(-1, NKV, D), expect_k)
+    assert torch.equal(v_cache.view(-1, NKV, D)[slots], value.to(torch.bfloat16))
+    assert v_cache.view(-1, NKV, D).count_nonzero() == value.count_nonzero()

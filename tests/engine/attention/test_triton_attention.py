@@ -37,6 +37,7 @@ class Case:
     num_padding_rows: int = 0  # trailing rows with slot -1 (CUDA-graph padding), outputs ignored
     split_kv: bool | None = False
     seed: int = 0
+    kv_dtype: torch.dtype | None = None  # what the cache stores (--kv-cache-dtype); None: the query's dtype
 
 
 @dataclass
@@ -63,7 +64,9 @@ def make_batch(case: Case, device: str, dtype: torch.dtype) -> Batch:
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     max_blocks = max(blocks_per_seq)
     block_table = torch.zeros(len(case.seq_lens), max_blocks, dtype=torch.int32)
-    k_cache = torch.full((num_blocks, bs, kvh, hd), float("nan"), dtype=dtype)
+    # Keys and values are rounded through the cache's dtype, so the cache holds them exactly.
+    kv_dtype = case.kv_dtype or dtype
+    k_cache = torch.full((num_blocks, bs, kvh, hd), float("nan"), dtype=kv_dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
 
     keys, values, slots, new_k, new_v = [], [], [], [], []
@@ -71,8 +74,8 @@ def make_batch(case: Case, device: str, dtype: torch.dtype) -> Batch:
         assert 1 <= q_len <= seq_len
         table = [free.pop() for _ in range(blocks_per_seq[i])]
         block_table[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        k = torch.randn(seq_len, kvh, hd, generator=gen).to(dtype)  # [seq_len, kvh, hd]
-        v = torch.randn(seq_len, kvh, hd, generator=gen).to(dtype)
+        k = torch.randn(seq_len, kvh, hd, generator=gen).to(kv_dtype).to(dtype)  # [seq_len, kvh, hd]
+        v = torch.randn(seq_len, kvh, hd, generator=gen).to(kv_dtype).to(dtype)
         keys.append(k)
         values.append(v)
         ctx = seq_len - q_len
@@ -156,7 +159,8 @@ def run_attention_case(case: Case, device: str = "cpu", dtype: torch.dtype = tor
     backend.write_kv(batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
     for i in range(batch.meta.num_seqs):
         k, v = gathered_keys(batch, i)
-        assert torch.equal(k, batch.keys[i]) and torch.equal(v, batch.values[i]), f"cache of seq {i}"
+        assert k.dtype == (case.kv_dtype or dtype)
+        assert torch.equal(k.to(dtype), batch.keys[i]) and torch.equal(v.to(dtype), batch.values[i]), f"seq {i}"
     scale = case.head_dim**-0.5
     out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
     assert out.shape == batch.query.shape and out.dtype == dtype
@@ -214,6 +218,12 @@ CPU_CASES = {
     "split_kv_decode": Case(query_lens=(1, 1, 1), seq_lens=(3, 50, 97), split_kv=True),
     "split_kv_mixed_gqa_9_3": Case(
         query_lens=(1, 12), seq_lens=(70, 30), num_q_heads=9, num_kv_heads=3, split_kv=True
+    ),
+    "bf16_cache_mixed_gqa_9_3": Case(
+        query_lens=(1, 6, 11), seq_lens=(33, 6, 27), num_q_heads=9, num_kv_heads=3, kv_dtype=torch.bfloat16
+    ),
+    "fp16_cache_split_kv_block_8": Case(
+        query_lens=(1, 5), seq_lens=(50, 21), block_size=8, split_kv=True, kv_dtype=torch.float16
     ),
 }
 

@@ -30,17 +30,20 @@ def test_flags_reach_the_config() -> None:
         "--num-kv-blocks", "8", "--no-prefix-caching", "--ready-timeout", "5", "--kv-failure-policy",
         "recompute", "--no-cpu-attention-kernel", "--no-onednn-pack", "--cache-dir", "/tmp/c",
         "--scheduling-policy", "priority", "--max-waiting-requests", "0", "--port", "9000",
+        "--kv-cache-dtype", "bfloat16",
     ])
     config = config_from_args(args)
     assert config == dataclasses.replace(
         EngineConfig(), model="/m", dtype="float32", role="decode", max_model_len=512, num_kv_blocks=8,
         enable_prefix_caching=False, ready_timeout_s=5.0, kv_failure_policy="recompute",
         cpu_attention_kernel=False, onednn_pack=False, cache_dir="/tmp/c", scheduling_policy="priority",
-        max_waiting_requests=0,
+        max_waiting_requests=0, kv_cache_dtype="bfloat16",
     )
     assert args.port == 9000
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--max-waiting-requests", "-1"])
+    with pytest.raises(SystemExit, match="2"):
+        build_parser().parse_args(["--kv-cache-dtype", "fp8"])
 
 
 def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

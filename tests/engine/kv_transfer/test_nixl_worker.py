@@ -114,7 +114,9 @@ HELD: set[str] | None = None  # what the prefill side reports as held; None: eve
 
 
 @pytest.fixture
-def pair() -> Any:
+def pair(request: pytest.FixtureRequest) -> Any:
+    """Prefill "P-1" and decode "D-1"; `request.param`, when parametrized indirectly: their KV dtypes."""
+    p_dtype, d_dtype = getattr(request, "param", (torch.float32, torch.float32))
     global HELD
     HELD = None
     port = free_port()
@@ -124,8 +126,8 @@ def pair() -> Any:
                             held=lambda: {"p-1"} if HELD is None else HELD)
     d = NixlConnectorWorker(dcfg, "D-1", 0, nixl_factory=FakeNixl)  # type: ignore[arg-type]
     # [num_layers=2, 2, num_blocks, block_size, num_kv_heads=1, head_dim=3]
-    p_pool = torch.arange(2 * 2 * 8 * BS * 3, dtype=torch.float32).reshape(2, 2, 8, BS, 1, 3)
-    d_pool = torch.zeros(2, 2, 6, BS, 1, 3)
+    p_pool = torch.arange(2 * 2 * 8 * BS * 3, dtype=torch.float32).reshape(2, 2, 8, BS, 1, 3).to(p_dtype)
+    d_pool = torch.zeros(2, 2, 6, BS, 1, 3, dtype=d_dtype)
     p.register_kv_caches(p_pool)
     d.register_kv_caches(d_pool)
     yield p, d, p_pool, d_pool, port
@@ -249,3 +251,26 @@ def test_side_channel_answers_debug_and_refuses_what_it_cannot_read() -> None:
         assert json.loads(cli.stdout)["leases"] == {"p-1": {"blocks": 2, "expires_in_s": 1.5}}
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("pair", [(torch.bfloat16, torch.bfloat16)], indirect=True)
+def test_16_bit_blocks_move_whole_at_half_the_bytes(pair: Any) -> None:
+    p, d, p_pool, d_pool, port = pair
+    assert d.block_bytes == p.block_bytes == BS * 1 * 3 * 2
+    d.start_load_kv(KVConnectorMetadata(new_remote=[remote([3, 6], port)], loads=[LoadSpec("r", [1, 4], [3, 6])]))
+    out = _poll(d, lambda o: o.finished_recving)
+    assert out.finished_recving == ["r"] and out.received_blocks == 2
+    assert torch.equal(d_pool[:, :, [1, 4]], p_pool[:, :, [3, 6]])
+    assert torch.count_nonzero(d_pool[:, :, [0, 2, 3, 5]]) == 0
+
+
+@pytest.mark.parametrize("pair", [(torch.float32, torch.bfloat16)], indirect=True)
+def test_engines_with_different_kv_cache_dtypes_refuse_to_pair(pair: Any) -> None:
+    """A bfloat16 decode engine must not read a float32 prefill engine's blocks as bfloat16: the load fails
+    with both dtypes and the flag named, and no read is posted."""
+    _, d, _, d_pool, port = pair
+    d.start_load_kv(KVConnectorMetadata(new_remote=[remote([3], port)], loads=[LoadSpec("r", [2], [3])]))
+    out = _poll(d, lambda o: o.failed_recving)
+    error = out.failed_recving["r"]
+    assert "float32" in error and "bfloat16" in error and "--kv-cache-dtype" in error, error
+    assert FakeNixl.agents["D-1"].posted == [] and torch.count_nonzero(d_pool) == 0

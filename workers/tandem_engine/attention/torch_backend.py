@@ -7,9 +7,12 @@ attention. Each query row is one work item that streams its blocks (every block 
 [block_size, nkv, D] chunk) once for all heads, so K/V are never repeated per query head.
 Longer chunks use one SDPA per sequence (its GEMMs beat the kernel's dot products there) over
 gathered blocks, with a causal mask offset by the cached context. Without a compiler, or for other
-dtypes, decode rows fall back to a gathered, padded, masked batch SDPA. The per-step plan depends only
-on the metadata: built once per step, reused by every layer. Padding slots are masked, not zeroed, so
-the cache must never hold NaN/inf (allocate it with torch.zeros).
+query dtypes, decode rows fall back to a gathered, padded, masked batch SDPA.
+The cache may hold a narrower dtype than the model computes in (`--kv-cache-dtype`): keys and values are
+rounded to it when written and widened back to the query's dtype when read, by the kernel for a float32
+query over a float32, bfloat16 or float16 cache, and by `.to()` after the gather on the SDPA paths.
+The per-step plan depends only on the metadata: built once per step, reused by every layer. Padding
+slots are masked, not zeroed, so the cache must never hold NaN/inf (allocate it with torch.zeros).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ KERNEL_MAX_QUERY_LEN = 2
 
 # The kernel's C source ships beside this module; the built library is keyed on its text.
 _KERNEL_SRC = (Path(__file__).parent / "paged_attention.c").read_text()
+# The cache dtypes the kernel reads, as its `kv_type` argument.
+_KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.cache  # one attempt per directory
@@ -63,12 +68,12 @@ def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[nam
                     timeout=120,
                 )
                 os.replace(f"{tmp}/k.so", so)  # atomic: concurrent builders race harmlessly
-        fn = ctypes.CDLL(str(so)).tandem_paged_attention_f32
+        fn = ctypes.CDLL(str(so)).tandem_paged_attention
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU attention kernel unavailable (%s); using the torch SDPA path", e)
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
     return fn
 
@@ -139,14 +144,16 @@ class TorchAttentionBackend(AttentionBackend):
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
         nkv, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, key)
-        v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, value)
+        # A 16-bit cache under a wider model rounds here (to nearest even), once per token.
+        k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
     def _kernel_applies(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (
             self._kernel is not None
             and query.device.type == "cpu"
-            and query.dtype == torch.float32 == k_cache.dtype
+            and query.dtype == torch.float32
+            and k_cache.dtype in _KERNEL_KV_TYPES
             and query.stride(2) == 1
             and query.stride(1) == query.shape[2]
             and k_cache.is_contiguous()
@@ -173,9 +180,9 @@ class TorchAttentionBackend(AttentionBackend):
                 seqs += [i] * q
                 klens += range(slens[i] - q + 1, slens[i] + 1)
         if rows:
-            kernel = _KernelRows(
-                torch.tensor(rows), torch.tensor(seqs), torch.tensor(klens), g * nkv * (max(klens) + d)
-            )
+            # scores and accumulators, then one block widened from a 16-bit cache
+            scratch = g * nkv * (max(klens) + d) + block_size * nkv * d
+            kernel = _KernelRows(torch.tensor(rows), torch.tensor(seqs), torch.tensor(klens), scratch)
         dec = [i for i, q in enumerate(qlens) if q == 1 and not use_kernel]
         if dec:
             dec_slens = [slens[i] for i in dec]
@@ -242,8 +249,8 @@ class TorchAttentionBackend(AttentionBackend):
         for p in plan.prefills:
             ql = p.end - p.start
             # [nkv, L, D] views of this sequence's keys and values
-            k = k_cache.index_select(0, p.blocks).view(-1, nkv, d)[: p.seq_len].transpose(0, 1)
-            v = v_cache.index_select(0, p.blocks).view(-1, nkv, d)[: p.seq_len].transpose(0, 1)
+            k = k_cache.index_select(0, p.blocks).view(-1, nkv, d)[: p.seq_len].transpose(0, 1).to(query.dtype)
+            v = v_cache.index_select(0, p.blocks).view(-1, nkv, d)[: p.seq_len].transpose(0, 1).to(query.dtype)
             # Query head h = kv * g + j -> [nkv, g, ql, D]; K/V broadcast over the group without copies.
             q = query[p.start : p.end].view(ql, nkv, g, d).permute(1, 2, 0, 3)
             k4 = k.unsqueeze(1).expand(nkv, g, p.seq_len, d)
@@ -279,6 +286,7 @@ class TorchAttentionBackend(AttentionBackend):
             query.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            _KERNEL_KV_TYPES[k_cache.dtype],
             table.data_ptr(),
             table.stride(0),
             kr.rows.data_ptr(),
@@ -307,8 +315,8 @@ class TorchAttentionBackend(AttentionBackend):
         n, nq, d = query.shape
         nkv = k_cache.shape[2]
         # [Nd, nkv, L, D] (strided views of the gathered blocks)
-        k = k_cache.index_select(0, dp.blocks).view(n, -1, nkv, d).transpose(1, 2)
-        v = v_cache.index_select(0, dp.blocks).view(n, -1, nkv, d).transpose(1, 2)
+        k = k_cache.index_select(0, dp.blocks).view(n, -1, nkv, d).transpose(1, 2).to(query.dtype)
+        v = v_cache.index_select(0, dp.blocks).view(n, -1, nkv, d).transpose(1, 2).to(query.dtype)
         q = query.view(n, nkv, nq // nkv, d)  # the GQA group is the query-length axis
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=dp.mask, scale=scale)
         return o.reshape(n, nq, d)

@@ -10,6 +10,8 @@ Three kernels:
   With NUM_SEGMENTS > 1 each program covers one slice of the KV tiles (split-KV, for small decode
   batches that would otherwise leave most SMs idle) and writes unnormalised partials instead.
 - `_reduce_segments_kernel` merges split-KV partials.
+The cache may hold a narrower dtype than the query (`--kv-cache-dtype`): the store rounds to it and the
+attention kernel widens each K/V tile back to the query's dtype as it loads it.
 
 The design follows vLLM's unified attention; the code is tandem's own. This module imports triton at
 import time: only `triton_backend` imports it, lazily. Whether the kernels are compiled or interpreted
@@ -184,7 +186,7 @@ def _unified_attention_kernel(
             + offs_d[:, None],
             mask=dim_ok[:, None] & k_ok[None, :],
             other=0.0,
-        )  # [DIM_PAD, TILE_N]
+        ).to(q.dtype)  # [DIM_PAD, TILE_N], widened from a narrower cache (--kv-cache-dtype)
         v = tl.load(
             v_cache_ptr
             + blk[:, None] * stride_vc_blk
@@ -193,7 +195,7 @@ def _unified_attention_kernel(
             + offs_d[None, :],
             mask=k_ok[:, None] & dim_ok[None, :],
             other=0.0,
-        )  # [TILE_N, DIM_PAD]
+        ).to(q.dtype)  # [TILE_N, DIM_PAD]
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= causal_limit[:, None])

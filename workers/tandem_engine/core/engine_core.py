@@ -62,10 +62,10 @@ class EngineCore:
         self._idle = True  # the last step computed nothing and produced no output
         warm = self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, %d KV blocks of %d, "
-                    "max_model_len %d, %d threads", engine_index, self.startup_seconds, warm,
+        logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, %d KV blocks of %d (%s KV "
+                    "cache), max_model_len %d, %d threads", engine_index, self.startup_seconds, warm,
                     config.model, loaded.dtype, self.runner.num_blocks, config.block_size,
-                    self.max_model_len, torch.get_num_threads())
+                    self.runner.kv_dtype_name, self.max_model_len, torch.get_num_threads())
 
     def add_request(self, req: Request | EngineCoreRequest) -> None:
         if isinstance(req, EngineCoreRequest):

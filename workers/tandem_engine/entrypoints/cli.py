@@ -24,6 +24,7 @@ from tandem_engine.config import (
     DType,
     EngineConfig,
     EngineRole,
+    KVCacheDType,
     KVConnectorName,
     KVFailurePolicy,
     SchedulingPolicy,
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
     cache = p.add_argument_group("KV cache and scheduling")
     cache.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    cache.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=get_args(KVCacheDType),
+                       help="what the KV cache stores (auto: the model's dtype); a 16-bit cache holds twice "
+                       "the tokens and is widened to the model's dtype when read")
     cache.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV cache size per engine (GiB)")
     cache.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                        help="exact number of KV blocks, overriding --kv-cache-gib")

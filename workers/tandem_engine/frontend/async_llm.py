@@ -63,6 +63,9 @@ class AsyncLLM(EngineClient):
         self.metrics = EngineMetrics(self.model_name)
         self.metrics.record_thread_plan(thread_plan)
         self.metrics.max_num_seqs.labels(self.model_name).set(config.max_running_requests)
+        first = core.ready[0]
+        self.metrics.record_cache_config(first.block_size, first.kv_cache_dtype, first.num_kv_blocks,
+                                         config.enable_prefix_caching)
         self.scheduling_policy = config.scheduling_policy
         self.waiting_bound = WaitingBound(config.max_running_requests, config.max_waiting_requests)
         self.core = core

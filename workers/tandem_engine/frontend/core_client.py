@@ -132,8 +132,8 @@ class CoreClient:
                 if isinstance(msg, FailedMessage):
                     raise EngineStartupError(f"EngineCore {msg.engine_index} failed to start: {msg.error}")
                 assert isinstance(msg, ReadyMessage)
-                logger.info("[handshake] engine %d READY (pid %d, %d KV blocks, %.1fs)",
-                            msg.engine_index, msg.pid, msg.num_kv_blocks, msg.startup_seconds)
+                logger.info("[handshake] engine %d READY (pid %d, %d %s KV blocks, %.1fs)", msg.engine_index,
+                            msg.pid, msg.num_kv_blocks, msg.kv_cache_dtype, msg.startup_seconds)
                 self.ready.append(msg)
                 pending.discard(msg.engine_index)
                 continue

@@ -57,6 +57,10 @@ class EngineMetrics:
         # What a router reads to size its per-engine in-flight cap without knowing the engine's flags.
         self.max_num_seqs = Gauge("tandem:engine_max_num_seqs", "Requests this engine runs at once: "
                                   "--max-num-seqs summed over its data-parallel EngineCores", lbl, registry=r)
+        # vLLM's cache description: one series at 1 whose labels are the cache's settings.
+        self.cache_config = Gauge("vllm:cache_config_info", "Information of the KV cache (labels)",
+                                  [*lbl, "block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching"],
+                                  registry=r)
         self._per_engine: dict[int, SchedulerStats] = {}
         # Publish every unlabelled-by-reason series at 0 from the start, so a fresh /metrics is complete.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
@@ -69,6 +73,11 @@ class EngineMetrics:
         source = plan.limit.source if plan.limit else "--num-threads"
         cpus = f"{plan.limit.cpus:g}" if plan.limit else ""
         self.threads.labels(self.model_name, source, cpus).set(plan.threads)
+
+    def record_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int, prefix_caching: bool) -> None:
+        """num_blocks: per EngineCore (vLLM's `num_gpu_blocks`, whatever the device)."""
+        self.cache_config.labels(self.model_name, str(block_size), cache_dtype, str(num_blocks),
+                                 str(prefix_caching)).set(1)
 
     def record_stats(self, engine_index: int, stats: SchedulerStats) -> None:
         m = self.model_name

@@ -120,6 +120,7 @@ class HandshakeReply(msgspec.Struct, tag=True):
     layout: str
     compat_hash: str
     mem_type: str = "DRAM"
+    kv_cache_dtype: str = ""  # "bfloat16": named so a mismatch is refused in words, not only by the hash
 
 
 class HeartbeatReply(msgspec.Struct, tag=True):

@@ -54,6 +54,7 @@ class KVControl:
         self.lease_s = config.kv_lease_seconds
         self.hb_interval = max(0.2, config.kv_lease_seconds / 6)
         self.compat_hash = ""  # set by the worker once its pool is registered, before any handshake
+        self.kv_cache_dtype = ""  # likewise
         self.wakeup: Callable[[], None] = lambda: None
         self._ctrl: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -160,6 +161,10 @@ class KVControl:
         if reply.engine_id != remote.engine_id:
             raise side_channel.SideChannelError(
                 f"{remote.address} is now engine {reply.engine_id}, not {remote.engine_id} (restarted)")
+        if reply.kv_cache_dtype and reply.kv_cache_dtype != self.kv_cache_dtype:
+            raise side_channel.SideChannelError(
+                f"KV cache dtype mismatch: the prefill engine at {remote.address} stores {reply.kv_cache_dtype}, "
+                f"this decode engine {self.kv_cache_dtype}; give both the same --kv-cache-dtype (and --dtype)")
         if reply.compat_hash != self.compat_hash:
             raise side_channel.SideChannelError(
                 f"incompatible KV layout at {remote.address} (hash {reply.compat_hash} != {self.compat_hash})")

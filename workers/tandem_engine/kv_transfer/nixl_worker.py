@@ -85,14 +85,15 @@ class NixlConnectorWorker(KVConnectorWorker):
             f"tandem-kv-v1|{self.config.model}|{kv_pool.dtype}|{self.config.block_size}|{_LAYOUT}|"
             f"{self.num_layers}|{tuple(kv_pool.shape[3:])}".encode()).hexdigest()[:16]
         self._control.compat_hash = self.compat_hash
+        self._control.kv_cache_dtype = str(kv_pool.dtype).removeprefix("torch.")
         self._local = self.nixl.prep_descs("", descs(base, self.num_layers, self.num_blocks, self.block_bytes), mem)
         if self.role == "prefill":
             reply = HandshakeReply(self.engine_id, self.nixl.metadata(), base, self.num_layers, self.num_blocks,
-                                   self.block_bytes, _LAYOUT, self.compat_hash, mem)
+                                   self.block_bytes, _LAYOUT, self.compat_hash, mem, self._control.kv_cache_dtype)
             self._server = side_channel.SideChannelServer(self.config.kv_host, self.port, reply, self._debug,
                                                           lambda: self._control.wakeup(), self._held)
-        logger.info("[handshake] registered %s KV pool: %d layers x 2 x %d blocks of %d bytes (%s)", mem,
-                    self.num_layers, self.num_blocks, self.block_bytes, self.engine_id)
+        logger.info("[handshake] registered %s KV pool: %d layers x 2 x %d blocks of %d bytes, %s (%s)", mem,
+                    self.num_layers, self.num_blocks, self.block_bytes, self._control.kv_cache_dtype, self.engine_id)
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._control.wakeup = wakeup

@@ -2,7 +2,8 @@
 executes the forward pass over the paged KV cache, and samples at each request's last position.
 
 The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so the
-whole pool can be registered for KV transfer once; each layer gets (k, v) views of it.
+whole pool can be registered for KV transfer once; each layer gets (k, v) views of it. Its dtype is
+`--kv-cache-dtype` (auto: the model's); the pool's size in blocks follows from its real bytes per block.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.scheduler import SampledToken, SchedulerOutput
 from tandem_engine.kv_transfer.interface import KVConnectorWorker
-from tandem_engine.models.loader import LoadedModel
+from tandem_engine.models.loader import LoadedModel, pick_dtype
 from tandem_engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,11 @@ def kv_layout(hf_config: object) -> tuple[int, int, int]:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads  # type: ignore[attr-defined]
     return hf_config.num_hidden_layers, kv_heads, head_dim  # type: ignore[attr-defined]
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache stores for `--kv-cache-dtype name` under a model computing in `model_dtype`."""
+    return model_dtype if name == "auto" else pick_dtype(name)
 
 
 def select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -55,11 +61,12 @@ class ModelRunner:
         self.backend = select_backend(config, self.device)
         self.sampler = Sampler()
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.num_blocks = self._num_blocks()
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_pool = torch.zeros(
             self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(self.num_layers)]
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -71,6 +78,11 @@ class ModelRunner:
         self.kv_connector = connector
 
     @property
+    def kv_dtype_name(self) -> str:
+        """The cache dtype as `--kv-cache-dtype` spells it ("bfloat16")."""
+        return str(self.kv_dtype).removeprefix("torch.")
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block in one layer's K (or V) cache."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.kv_pool.element_size()
@@ -78,7 +90,7 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
         return max(2, int(self.config.kv_cache_gib * (1 << 30)) // per_block)
 
