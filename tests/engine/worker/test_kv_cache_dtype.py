@@ -30,7 +30,7 @@ PROMPTS = ["The capital of France is Paris, the capital of Germany is Berlin, an
            "Once upon a time, in a small village at the edge of a great forest, there lived an old man who",
            "Photosynthesis is the process by which green plants, algae and some bacteria turn the energy of "
            "sunlight into"]
-STEPS = 32
+STEPS = 16
 GIB = 0.05  # 72 float32 blocks of 16 tokens for SmolLM2 (30 layers, 3 KV heads of 64)
 MAX_LEN = 512
 
