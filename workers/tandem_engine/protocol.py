@@ -81,6 +81,7 @@ class ReadyMessage(msgspec.Struct, tag=True):
     pid: int
     engine_id: str = ""
     startup_seconds: float = 0.0
+    dtype: str = ""  # the model's compute dtype, "float32" (what `--dtype auto` resolved to)
 
 
 class FailedMessage(msgspec.Struct, tag=True):

@@ -112,7 +112,8 @@ class EngineCoreProc:
     def ready_message(self) -> ReadyMessage:
         return ReadyMessage(self.engine_index, self.core.runner.num_blocks, self.core.config.block_size,
                             self.core.max_model_len, os.getpid(), engine_id=self.core.engine_id,
-                            startup_seconds=self.core.startup_seconds)
+                            startup_seconds=self.core.startup_seconds,
+                            dtype=str(self.core.dtype).removeprefix("torch."))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only set flags and wake the loop: the loop drains live requests, then exits.

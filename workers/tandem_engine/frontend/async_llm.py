@@ -63,6 +63,7 @@ class AsyncLLM(EngineClient):
         self.metrics = EngineMetrics(self.model_name)
         self.metrics.record_thread_plan(thread_plan)
         self.metrics.max_num_seqs.labels(self.model_name).set(config.max_running_requests)
+        self.metrics.model_info.labels(self.model_name, core.model_dtype, config.quantization).set(1)
         self.scheduling_policy = config.scheduling_policy
         self.waiting_bound = WaitingBound(config.max_running_requests, config.max_waiting_requests)
         self.core = core

@@ -57,6 +57,8 @@ class EngineMetrics:
         # What a router reads to size its per-engine in-flight cap without knowing the engine's flags.
         self.max_num_seqs = Gauge("tandem:engine_max_num_seqs", "Requests this engine runs at once: "
                                   "--max-num-seqs summed over its data-parallel EngineCores", lbl, registry=r)
+        self.model_info = Gauge("tandem:model_info", "Always 1: how the model runs (compute dtype and "
+                                "--quantization of the projections)", [*lbl, "dtype", "quantization"], registry=r)
         self._per_engine: dict[int, SchedulerStats] = {}
         # Publish every unlabelled-by-reason series at 0 from the start, so a fresh /metrics is complete.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
