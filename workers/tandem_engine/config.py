@@ -20,6 +20,9 @@ KVFailurePolicy = Literal["fail", "recompute"]
 KVConnectorName = Literal["NixlConnector"]  # the one connector today; the CRD names it too
 AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulingPolicy = Literal["fcfs", "priority"]  # vLLM's: arrival order, or (priority, arrival)
+# vLLM's --quantization: none keeps the dense weights; int8 runs the projections as dynamic W8A8 matmuls
+# with float32 activations around them (docs/architecture.md, "Quantization").
+Quantization = Literal["none", "int8"]
 
 SERVED_MODEL_NAME_ENV = "TANDEM_SERVED_MODEL_NAME"  # set by the operator on every engine pod
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
@@ -74,6 +77,7 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     cpu_attention_kernel: bool = True  # the C paged-attention kernel of the torch backend, where it builds
     onednn_pack: bool = True  # oneDNN-prepacked weights for batched CPU matmuls (models/packed_linear.py)
+    quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)
     # Start-up
     ready_timeout_s: float = 600.0
@@ -94,6 +98,14 @@ class EngineConfig:
             {"rank": r, "host": self.kv_events_host, "port": p, "replay_port": rp}
             for r in range(self.data_parallel_size) for p, rp in [self.kv_events_ports(r)]]
         return {"block_size": self.block_size, "publishers": publishers}
+
+    def quantization_error(self) -> str | None:
+        """Why --quantization cannot work with the other flags, or None. int8 computes in float32
+        (`--dtype auto` becomes float32 there); a GPU is refused by the engine at load time."""
+        if self.quantization == "int8" and self.dtype not in ("auto", "float32"):
+            return (f"--quantization int8 needs float32 activations around its int8 matmuls: use --dtype "
+                    f"float32 or auto, not --dtype {self.dtype}")
+        return None
 
     @property
     def served_name(self) -> str:

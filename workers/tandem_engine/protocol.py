@@ -82,6 +82,7 @@ class ReadyMessage(msgspec.Struct, tag=True):
     engine_id: str = ""
     startup_seconds: float = 0.0
     kv_cache_dtype: str = ""  # what the KV cache stores, as --kv-cache-dtype spells it ("bfloat16")
+    dtype: str = ""  # the model's compute dtype, "float32" (what `--dtype auto` resolved to)
 
 
 class FailedMessage(msgspec.Struct, tag=True):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem_engine.config import EngineConfig
-from tandem_engine.entrypoints.cli import build_parser, config_from_args
+from tandem_engine.entrypoints.cli import build_parser, config_from_args, main
 from tandem_engine.worker.model_runner import select_backend
 
 
@@ -44,6 +44,21 @@ def test_flags_reach_the_config() -> None:
         build_parser().parse_args(["--max-waiting-requests", "-1"])
     with pytest.raises(SystemExit, match="2"):
         build_parser().parse_args(["--kv-cache-dtype", "fp8"])
+
+
+def test_quantization_flag_and_the_dtypes_it_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert config_from_args(build_parser().parse_args(["--quantization", "int8"])).quantization == "int8"
+    assert EngineConfig(quantization="int8", dtype="float32").quantization_error() is None
+    assert EngineConfig(quantization="none", dtype="bfloat16").quantization_error() is None
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(SystemExit) as e:
+            main(["--quantization", "int8", "--dtype", dtype])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--quantization int8" in err and f"--dtype {dtype}" in err
+    with pytest.raises(SystemExit) as e:
+        main(["--quantization", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,9 @@ class EngineCore:
         src = resolve_model(config.model, config.cache_path)
         # CUDA when present (Triton attention); otherwise the CPU with the torch/C attention backend.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(src, pick_dtype(config.dtype), self.device, onednn_pack=config.onednn_pack)
+        loaded = load_model(src, pick_dtype(config.dtype, config.quantization), self.device,
+                            onednn_pack=config.onednn_pack, quantization=config.quantization)
+        self.dtype = loaded.dtype
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.runner = ModelRunner(config, loaded, self.max_model_len, self.device)
@@ -62,9 +64,9 @@ class EngineCore:
         self._idle = True  # the last step computed nothing and produced no output
         warm = self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, %d KV blocks of %d (%s KV "
-                    "cache), max_model_len %d, %d threads", engine_index, self.startup_seconds, warm,
-                    config.model, loaded.dtype, self.runner.num_blocks, config.block_size,
+        logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, quantization %s, %d KV blocks "
+                    "of %d (%s KV cache), max_model_len %d, %d threads", engine_index, self.startup_seconds, warm,
+                    config.model, loaded.dtype, config.quantization, self.runner.num_blocks, config.block_size,
                     self.runner.kv_dtype_name, self.max_model_len, torch.get_num_threads())
 
     def add_request(self, req: Request | EngineCoreRequest) -> None:

@@ -113,7 +113,8 @@ class EngineCoreProc:
         return ReadyMessage(self.engine_index, self.core.runner.num_blocks, self.core.config.block_size,
                             self.core.max_model_len, os.getpid(), engine_id=self.core.engine_id,
                             startup_seconds=self.core.startup_seconds,
-                            kv_cache_dtype=self.core.runner.kv_dtype_name)
+                            kv_cache_dtype=self.core.runner.kv_dtype_name,
+                            dtype=str(self.core.dtype).removeprefix("torch."))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only set flags and wake the loop: the loop drains live requests, then exits.

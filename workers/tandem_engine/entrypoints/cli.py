@@ -27,6 +27,7 @@ from tandem_engine.config import (
     KVCacheDType,
     KVConnectorName,
     KVFailurePolicy,
+    Quantization,
     SchedulingPolicy,
 )
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"model id in the API; ${SERVED_MODEL_NAME_ENV} when set, None: --model")
     model.add_argument("--dtype", default=d.dtype, choices=get_args(DType),
                        help="auto: bfloat16 on a GPU or a CPU with native bf16, else float32")
+    model.add_argument("--quantization", default=d.quantization, choices=get_args(Quantization),
+                       help="none: dense weights; int8: dynamic int8 projections (weights per output "
+                       "channel, activations per token), float32 only")
     model.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context length; None: the model's")
     model.add_argument("--cache-dir", default=d.cache_dir,
@@ -204,11 +208,16 @@ def _make_server_class() -> type[uvicorn.Server]:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    error = config.quantization_error()
+    if error:
+        parser.error(error)  # exit 2, like any other bad flag
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [APIServer] %(name)s: %(message)s")
     try:
-        return asyncio.run(serve(config_from_args(args), args.host, args.port, args.log_level))
+        return asyncio.run(serve(config, args.host, args.port, args.log_level))
     except KeyboardInterrupt:
         return 0
 

@@ -66,6 +66,7 @@ class AsyncLLM(EngineClient):
         first = core.ready[0]
         self.metrics.record_cache_config(first.block_size, first.kv_cache_dtype, first.num_kv_blocks,
                                          config.enable_prefix_caching)
+        self.metrics.model_info.labels(self.model_name, core.model_dtype, config.quantization).set(1)
         self.scheduling_policy = config.scheduling_policy
         self.waiting_bound = WaitingBound(config.max_running_requests, config.max_waiting_requests)
         self.core = core

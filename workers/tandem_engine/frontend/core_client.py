@@ -80,6 +80,10 @@ class CoreClient:
     def max_model_len(self) -> int:
         return self.ready[0].max_model_len
 
+    @property
+    def model_dtype(self) -> str:
+        return self.ready[0].dtype
+
     def launch(self) -> None:
         """Start the EngineCore processes; they load the model while the frontend loads its tokenizer."""
         # tcp://127.0.0.1:* placeholders resolved to the endpoints actually bound.

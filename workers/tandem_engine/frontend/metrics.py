@@ -61,6 +61,8 @@ class EngineMetrics:
         self.cache_config = Gauge("vllm:cache_config_info", "Information of the KV cache (labels)",
                                   [*lbl, "block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching"],
                                   registry=r)
+        self.model_info = Gauge("tandem:model_info", "Always 1: how the model runs (compute dtype and "
+                                "--quantization of the projections)", [*lbl, "dtype", "quantization"], registry=r)
         self._per_engine: dict[int, SchedulerStats] = {}
         # Publish every unlabelled-by-reason series at 0 from the start, so a fresh /metrics is complete.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,

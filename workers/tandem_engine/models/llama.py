@@ -22,6 +22,7 @@ from torch import nn
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.models import packed_linear
 from tandem_engine.models.packed_linear import linear, packing_supported
+from tandem_engine.models.quantization import Int8Linear, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +131,29 @@ class DecoderLayer(nn.Module):
         self.k_norm = param(d) if self.qk_norm else None
         # oneDNN-packed copies of the projections, made after loading (`LlamaForCausalLM.prepack`).
         self.packed: dict[str, torch.Tensor | None] = {}
+        # int8 projections replacing the dense ones (`LlamaForCausalLM.quantize`), by projection name.
+        self.int8: dict[str, Int8Linear] = {}
+
+    def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
+        """(weight [out, in], bias) of each projection, by name."""
+        return {"qkv": (self.qkv_weight, self.qkv_bias), "o": (self.o_weight, self.o_bias),
+                "gate_up": (self.gate_up_weight, self.gate_up_bias), "down": (self.down_weight, self.down_bias)}
 
     def prepack(self) -> None:
-        self.packed = {"qkv": packed_linear.pack(self.qkv_weight), "o": packed_linear.pack(self.o_weight),
-                       "gate_up": packed_linear.pack(self.gate_up_weight),
-                       "down": packed_linear.pack(self.down_weight)}
+        self.packed = {name: packed_linear.pack(w) for name, (w, _) in self.projections().items()
+                       if name not in self.int8}
+
+    def quantize_int8(self) -> None:
+        """Replace every projection by its int8 form and free the dense weights (their shapes become [0])."""
+        for name, (weight, bias) in self.projections().items():
+            self.int8[name] = Int8Linear(weight, bias)
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self.packed = {}
+
+    def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, in] through projection `name` -> [T, out]: int8 if quantized, else dense."""
+        q = self.int8.get(name)
+        return q(x) if q is not None else linear(x, weight, bias, self.packed.get(name))
 
     def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """Where checkpoint tensor `name` (relative to the layer) goes: (param, row start, row end)."""
@@ -175,7 +194,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
-        qkv = linear(h, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))  # [T, q_size + 2 * kv_size]
+        qkv = self._project("qkv", h, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
         if self.qk_norm:
@@ -190,12 +209,12 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, nq, D]
-        x.add_(linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.packed.get("o")))
+        x.add_(self._project("o", o.reshape(t, self.q_size), self.o_weight, self.o_bias))
 
         h = F.rms_norm(x, x.shape[-1:], self.post_attn_norm, self.eps)
-        gu = linear(h, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up"))  # [T, 2 * inter]
+        gu = self._project("gate_up", h, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * inter]
         act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        x.add_(linear(act, self.down_weight, self.down_bias, self.packed.get("down")))
+        x.add_(self._project("down", act, self.down_weight, self.down_bias))
         return x
 
 
@@ -231,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = _param((cfg.hidden_size,), dtype)
         self.packed_lm_head: torch.Tensor | None = None
+        self.quantization = "none"  # what `quantize` made of the projections
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
@@ -267,6 +287,16 @@ class LlamaForCausalLM(nn.Module):
         # against the transposed copy.
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
         return linear(hidden, w, None, self.packed_lm_head).float()
+
+    @torch.no_grad()
+    def quantize(self, method: str, device: torch.device) -> None:
+        """Quantize the decoder's projections (`--quantization`, models/quantization.py); "none": no-op."""
+        if method == "none":
+            return
+        check_supported(method, self.dtype, device)
+        for layer in self.layers:
+            cast(DecoderLayer, layer).quantize_int8()
+        self.quantization = method
 
     def prepack(self, device: torch.device) -> None:
         """Make oneDNN-packed copies of every projection and the head, where that is faster."""

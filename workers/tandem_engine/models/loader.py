@@ -85,8 +85,11 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
     )
 
 
-def pick_dtype(name: str) -> torch.dtype:
-    """'auto' is the fastest dtype this machine runs well; the rest are taken literally."""
+def pick_dtype(name: str, quantization: str = "none") -> torch.dtype:
+    """'auto' is the fastest dtype this machine runs well (float32 under int8 quantization, which
+    quantizes float32 activations); the rest are taken literally."""
+    if name == "auto" and quantization == "int8":
+        return torch.float32
     explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in explicit:
         return explicit[name]
@@ -261,8 +264,9 @@ def eos_token_ids(config: PretrainedConfig, tokenizer: Any, gen: dict[str, Any])
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu",
-               onednn_pack: bool = True) -> LoadedModel:
-    """`onednn_pack`: also keep oneDNN-packed copies of the weights where that is faster (packed_linear)."""
+               onednn_pack: bool = True, quantization: str = "none") -> LoadedModel:
+    """`onednn_pack`: also keep oneDNN-packed copies of the weights where that is faster (packed_linear).
+    `quantization`: what `--quantization` makes of the projections, once, after loading (quantization.py)."""
     t0 = time.perf_counter()
     d = weights_dir(src)
     config, tokenizer, gen = load_config_and_tokenizer(src)
@@ -271,7 +275,11 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         model = cls(config, dtype)
     model.load_weights(iter_safetensors(d))
     model.eval()
+    tq = time.perf_counter()
+    model.quantize(quantization, torch.device(device))
+    tq = time.perf_counter() - tq
     if onednn_pack:
-        model.prepack(torch.device(device))
-    logger.info("loaded %s (%s, %s) in %.2fs", src.served_name, cls.__name__, dtype, time.perf_counter() - t0)
+        model.prepack(torch.device(device))  # after quantizing: only the dense matmuls left are packed
+    logger.info("loaded %s (%s, %s, quantization %s: %.2fs) in %.2fs", src.served_name, cls.__name__, dtype,
+                quantization, tq, time.perf_counter() - t0)
     return LoadedModel(model, config, dtype, eos_token_ids(config, tokenizer, gen))

@@ -1,0 +1,57 @@
+"""Weight quantization of the decoder's projections, chosen with `--quantization`
+(docs/architecture.md, "Quantization").
+
+int8 is W8A8 dynamic quantization with torch's own int8 matmul (`torch._int_mm`, oneDNN on CPU): each
+projection's weight is quantized once at load time, symmetrically per output channel to [-127, 127]; at
+run time each row (token) of the activations is quantized symmetrically to int8 with its own scale, the
+product is summed exactly in int32 and rescaled to float32. The dense float32 copies of the projections
+are dropped. Embeddings, norms and the LM head stay dense: the head's logits decide every greedy token,
+and the embedding is a row gather, not a matmul.
+
+Why not fbgemm's `quantized::linear_dynamic` (torch's dynamic Linear): it quantizes a whole step's
+activations with one scale, so the outlier activations of a prompt's first token coarsen every other
+row of the step. On SmolLM2 that raised the perplexity of a ~2,900-token text, prefilled in 512-token
+chunks, from 17.2 to 29.9 (7-bit activations, as torch runs it on x86) or 21.2 (8-bit); per-token
+scales give 17.7 (bench/quantization.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Int8Linear:
+    """y [rows, out] = x [rows, in] @ W.T + b, with W int8 per output channel and each row of x quantized
+    to int8 with its own scale when called."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.detach().to(torch.float32)  # [out, in]
+        self.out_features, self.in_features = w.shape
+        # Symmetric per output channel; an all-zero row gets a tiny scale and stays zero.
+        self.scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out] float32
+        qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.qweight_t = qweight.t()  # [in, out]: the view torch._int_mm multiplies by
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Per token: a row's largest magnitude maps to 127, so one outlier token (the first token of a
+        # prompt often carries activations 100x the rest) does not coarsen every other row.
+        x_scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min_(1e-12)  # [rows, 1]
+        xq = torch.round(x / x_scale).to(torch.int8)  # [rows, in], within [-127, 127] by construction
+        y: torch.Tensor = torch._int_mm(xq, self.qweight_t).to(torch.float32)  # [rows, out], exact int32 sums
+        y.mul_(x_scale).mul_(self.scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float32 weight [out, in] this layer multiplies by, and its bias (for references)."""
+        return self.qweight_t.t().to(torch.float32) * self.scale[:, None], self.bias
+
+
+def check_supported(method: str, dtype: torch.dtype, device: torch.device) -> None:
+    """int8 is a CPU path with float32 activations around it: a ValueError naming the flags otherwise."""
+    if method == "int8" and dtype != torch.float32:
+        raise ValueError(f"--quantization int8 needs float32 activations, not {dtype}: use --dtype float32")
+    if method == "int8" and device.type != "cpu":
+        raise ValueError(f"--quantization int8 runs on the CPU only, not on {device.type}; "
+                         "serve this device with --quantization none")
+
