@@ -151,8 +151,10 @@ class PodNetwork:
         ip("netns", "del", sandbox.netns, check=False)
         shutil.rmtree(sandbox.etc_dir, ignore_errors=True)
         with self._lock:
+            # To the back of the queue, as CNI's host-local IPAM goes round the range: an address is reused
+            # only after every other one. Reused at once, it met peers whose neighbour cache still held the
+            # old pod's MAC, and their connections to the new pod timed out for seconds.
             self._free.append(sandbox.ip)
-            self._free.sort(key=ipaddress.ip_address)
 
     def teardown(self) -> None:
         for key in list(self._sandboxes):
