@@ -156,7 +156,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
         from tandem_engine.frontend.interface import EngineDeadError
 
         server_class = _make_server_class()
-        engine = await AsyncLLM.create(config, core)
+        engine = await AsyncLLM.create(core)
     except EngineStartupError as e:
         logger.error("[startup] %s", e)
         return 1

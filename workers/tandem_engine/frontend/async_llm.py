@@ -27,17 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM(EngineClient):
-    """The frontend of one engine. `await AsyncLLM.create(config)` returns it started: every
+    """The frontend of one engine. `await AsyncLLM.create(CoreClient.start(config))` returns it started: every
     EngineCore READY and its outputs flowing."""
 
     @classmethod
-    async def create(cls, config: EngineConfig, core: CoreClient | None = None) -> AsyncLLM:
-        """Launch the EngineCores first (or take `core`, launched by `CoreClient.start`), load the
-        tokenizer while they load the model, wait for READY. Raises EngineStartupError (the engines
-        stopped) if one fails to start."""
-        core = core or CoreClient.start(config)
+    async def create(cls, core: CoreClient) -> AsyncLLM:
+        """Given EngineCores just launched (`CoreClient.start`), load the tokenizer while they load the
+        model, wait for READY. Raises EngineStartupError (the engines stopped) if one fails to start."""
         config, plan = core.config, core.thread_plan
-        assert plan is not None
         try:
             src = resolve_model(config.model, config.cache_path)
             hf_config, tokenizer, generation_config = await asyncio.to_thread(load_config_and_tokenizer, src)

@@ -45,8 +45,9 @@ class CoreClient:
     """Three phases, in order: `launch()` the processes, `wait_ready()` for their handshake, then
     `run()` the IO tasks that deliver outputs and announce a dead engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, thread_plan: ThreadPlan) -> None:
         self.config = config
+        self.thread_plan = thread_plan
         self.ctx = zmq.asyncio.Context(io_threads=2)
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -61,7 +62,6 @@ class CoreClient:
         self.owner: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        self.thread_plan: ThreadPlan | None = None
         self.launched_at = 0.0  # time.perf_counter() at launch()
 
     @classmethod
@@ -71,8 +71,7 @@ class CoreClient:
         transformers for its tokenizer, so both imports run at once."""
         plan = config.thread_plan()
         logger.info("[startup] %d intra-op thread(s) per EngineCore: %s", plan.threads, plan.reason)
-        core = cls(dataclasses.replace(config, num_threads=plan.threads))
-        core.thread_plan = plan
+        core = cls(dataclasses.replace(config, num_threads=plan.threads), plan)
         core.launch()
         return core
 
