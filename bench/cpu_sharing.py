@@ -167,8 +167,8 @@ def table(res: dict[str, Any]) -> str:
     if "engines" in res:
         rows += [f"## Two engines, {REQUESTS} completions of {BODY['max_tokens']} tokens each, against one alone\n",
                  "Load: the 1-minute load average when the variant started; the script waits for it to fall under 0.5 "
-                 "first (the committed run predates that wait: its later variants started at 2-3.4 from the "
-                 "previous variant's own engines, nothing else ran).\n",
+                 "first. One run per variant (`--reps 1`): a single engine alone varies by a few seconds between "
+                 "runs; waiting passively costs it some speed, which the pair's ratio is about.\n",
                  "| variant | one engine alone, half the work (s) | pair (s) | ratio | load before |",
                  "|---|---|---|---|---|"]
         for name, r in res["engines"].items():
