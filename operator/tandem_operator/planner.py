@@ -163,6 +163,12 @@ class Planner:
             per = (pool.running + pool.waiting) / pool.pods
             loads.append(Load(f"running+waiting {per:.1f} per replica", f"max_num_seqs {pool.max_num_seqs:g}",
                               per / pool.max_num_seqs))
+            if signals.router.readable:
+                # Leading: under admission control the backlog waits in the router, not in the engines,
+                # and shows there before any late first token does.
+                per = signals.router.in_flight / pool.pods
+                loads.append(Load(f"router in flight {per:.1f} per replica", f"max_num_seqs {pool.max_num_seqs:g}",
+                                  per / pool.max_num_seqs))
         return loads + _kv(pool, self.config)
 
     def _prefill_loads(self, signals: Signals, pool: PoolSignals) -> list[Load]:

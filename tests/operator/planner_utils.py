@@ -57,6 +57,9 @@ class System:
     lag_ticks: int = 1
     noise: float = 0.0  # relative, uniform, seeded
     disaggregated: bool = True
+    # The router's admission control holds what the engines' slots cannot take: engines never queue,
+    # the backlog waits in the router (still counted in its in-flight requests).
+    router_admission: bool = False
     rng: random.Random = field(default_factory=lambda: random.Random(14))
 
     def _jitter(self, value: float) -> float:
@@ -73,7 +76,7 @@ class System:
             pods=ready,
             missing=0,
             running=running * ready,
-            waiting=max(0.0, per - self.max_num_seqs) * ready,
+            waiting=0.0 if self.router_admission else max(0.0, per - self.max_num_seqs) * ready,
             kv_usage_mean=min(1.0, 0.02 * per),
             kv_usage_max=min(1.0, 0.02 * per),
             max_num_seqs=self.max_num_seqs,

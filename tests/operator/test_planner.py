@@ -28,6 +28,16 @@ def test_step_up_after_the_up_window_and_back_down_after_the_down_window() -> No
     assert up.reason == "decode 1->3: running+waiting 40.0 per replica > max_num_seqs 16"
 
 
+def test_requests_queued_in_the_router_scale_decode_before_latency_shows_them() -> None:
+    """Under the router's admission control the engines never hold more than their slots (running 16,
+    waiting 0, ITL within target): the backlog waits in the router, whose in-flight count is the signal."""
+    busy = Offered(streams=40, prompt_rate=500)
+    steps = run(Planner(config()), System(router_admission=True), lambda t: busy, 300, Replicas(1, 1))
+    up = next(s.plan.decode for s in steps if s.plan.decode.scaling)
+    assert up.reason == "decode 1->3: router in flight 40.0 per replica > max_num_seqs 16"
+    assert series(steps)[-1] == 3 and direction_changes(series(steps)) == 0
+
+
 def test_itl_over_target_scales_decode_and_says_so() -> None:
     system = System(max_num_seqs=64)  # the batch never fills: only ITL tells
     steps = run(Planner(config()), system, lambda t: Offered(streams=30, prompt_rate=100), 300, Replicas(1, 1))
