@@ -109,18 +109,18 @@ async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -
     """The sessions start at Poisson times and alternate between the router replicas (a load balancer in
     front of them), at most `concurrency` in flight; with two replicas both are asked before each request."""
     sessions = shared_prefix_sessions(a.groups, a.users, a.turns, a.prefix_len, a.turn_len, a.seed)
-    agreement: list[tuple[str, ...]] = []
+    agreement: list[list[dict[str, Any]]] = []  # per request, each replica's `POST /route` answer
     records: list[Record] = []
     rng = random.Random(a.seed)
     limit = asyncio.Semaphore(a.concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
 
         async def ask(path: str, body: dict[str, Any], rec: Record) -> None:
-            answers = []
-            for url in routers:
+            async def route(url: str) -> dict[str, Any]:
                 async with http.post(url + "/route" + path, json=body) as resp:
-                    answers.append((await resp.json())["endpoint"])
-            agreement.append(tuple(answers))
+                    return dict(await resp.json())
+
+            agreement.append(list(await asyncio.gather(*(route(url) for url in routers))))  # the same moment
 
         before = ask if len(routers) > 1 else None
         targets = [Target(url, MODEL, "chat", a.output_len, before=before) for url in routers]
@@ -172,7 +172,11 @@ async def one_run(a: argparse.Namespace, n: int, policy: str, logs: Path) -> dic
     summary["prefix_cache_hit_rate"] = (after["hits"] - before["hits"]) / queries if queries else 0.0
     summary["ideal_hit_rate"] = ideal_hit_rate([r for r in records if r.ok], tok, tok.block_size)
     if agreement:
-        summary["replica_agreement"] = sum(len(set(x)) == 1 for x in agreement) / len(agreement)
+        split = [x for x in agreement if len({a["endpoint"] for a in x}) > 1]
+        summary["replica_agreement"] = 1 - len(split) / len(agreement)
+        # What each replica saw when they chose differently: reason, and per candidate score and inputs.
+        summary["disagreements"] = [[{k: a.get(k) for k in ("endpoint", "reason", "candidates")} for a in x]
+                                    for x in split]
     summary["slowest"] = slowest(records)
     print(f"== {n} engines, {policy}: hit {summary['prefix_cache_hit_rate']:.3f} "
           f"(ideal {summary['ideal_hit_rate']:.3f}), TTFT p50 {summary['ttft_ms']['p50']:.0f} ms "

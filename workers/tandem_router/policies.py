@@ -36,6 +36,8 @@ class Decision:
     matched_blocks: int = 0
     matches: dict[str, int] = field(default_factory=dict, repr=False)
     view: PrefixView | None = field(default=None, repr=False)  # what the decision saw (Router.choose)
+    # The scored policy's inputs and score per candidate URL (`POST /route/...` shows them).
+    scores: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -182,9 +184,12 @@ class PrefixAware(_RingMixin, Policy):
             load = depth[e.url] - least
             return self.w.prefix * hit[e.url] - self.w.queue * load - self.w.kv_usage * (e.kv_usage or 0.0)
 
-        best = max(order, key=score)  # the first of equal scores in ring order
+        scores = {e.url: score(e) for e in order}
+        best = max(order, key=lambda e: scores[e.url])  # the first of equal scores in ring order
         reason = "prefix_hit" if hit[best.url] == max(hit.values()) else "overflow"
-        return Decision(best, reason, prefix.matches.get(best.url, 0), prefix.matches)
+        detail = {e.url: {"score": round(scores[e.url], 4), "cached_fraction": round(hit[e.url], 4),
+                          "queue": depth[e.url], "kv_usage": round(e.kv_usage or 0.0, 4)} for e in order}
+        return Decision(best, reason, prefix.matches.get(best.url, 0), prefix.matches, scores=detail)
 
     def _ring_order(self, candidates: list[Endpoint], req: RoutingRequest) -> list[str]:
         """Candidate URLs clockwise from the prompt's place (its first `cold_key_blocks` text blocks)."""

@@ -129,6 +129,7 @@ async def route_only(request: web.Request) -> web.Response:
         "prompt_tokens": rreq.prompt_tokens,
         "exact": bool(view and view.exact),
         "cached_tokens": {u: view.cached_tokens(u) for u in view.matches} if view else {},
+        "candidates": d.scores,
     }
     return web.json_response(body)
 
