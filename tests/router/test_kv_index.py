@@ -7,13 +7,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from tandem_engine.core import kv_events as engine_events
 from tandem_router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventStream, publisher_host
-from tandem_router.kv_index import KVIndex, Publisher
+from tandem_router.kv_index import KVIndex, KVIndexFeed, Publisher
 from tandem_router.procs import free_port
 
 A0, A1, B0 = Publisher("http://a", 0), Publisher("http://a", 1), Publisher("http://b", 0)
@@ -176,3 +178,56 @@ async def test_an_engine_that_cannot_replay_has_no_entries_and_is_not_synced(ctx
     assert feed.index.held(A0) == frozenset() and not feed.stream.synced.is_set()
     task.cancel()
     pub.close()
+
+
+async def test_the_feed_passes_on_each_engines_load_summed_over_its_ranks() -> None:
+    """An engine with two DP ranks, each a real publisher: once both ranks' batches carried a load, the
+    feed reports requests running + waiting summed and KV usage averaged; a rank whose stream resets
+    (a restart) makes the engine's load unknown until that rank reports again."""
+    ports = [free_port(), free_port()]
+    pubs = [engine_events.KVEventPublisher(f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}", 100) for p in ports]
+    app = web.Application()
+
+    async def kv_events(_: web.Request) -> web.Response:
+        return web.json_response({"block_size": 16, "publishers": [
+            {"rank": r, "host": "127.0.0.1", "port": p, "replay_port": p + 1} for r, p in enumerate(ports)]})
+
+    app.router.add_get("/kv_events", kv_events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    http_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", http_port).start()
+    url = f"http://127.0.0.1:{http_port}"
+    seen: list[tuple[str, tuple[int, float] | None]] = []
+    feed = KVIndexFeed(KVIndex(), on_load=lambda u, load: seen.append((u, load)))
+
+    def batch(engine_id: str, running: int, waiting: int, usage: float) -> engine_events.KVEventBatch:
+        return engine_events.KVEventBatch(time.time(), engine_id, [], engine_events.EngineLoad(running, waiting, usage))
+
+    async def until(load: tuple[int, float] | None) -> None:
+        deadline = time.monotonic() + 10
+        while not seen or seen[-1] != (url, load):
+            assert time.monotonic() < deadline, f"feed says {seen[-3:]}, not {load}"
+            await asyncio.sleep(0.02)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            feed.attach(session, url)
+            pubs[0].publish(batch("r0", 2, 1, 0.5))
+            await asyncio.sleep(0.5)
+            assert feed.load(url) is None  # rank 1 has said nothing yet
+            pubs[1].publish(batch("r1", 1, 0, 0.25))
+            await until((4, 0.375))
+            pubs[0].publish(batch("r0", 0, 0, 0.0))
+            await until((1, 0.125))
+            pubs[1].publish(engine_events.KVEventBatch(time.time(), "r1-restarted", [engine_events.AllBlocksCleared()]))
+            await until(None)
+            pubs[1].publish(batch("r1-restarted", 3, 2, 0.75))
+            await until((5, 0.375))
+            await feed.detach(url)
+            assert feed.load(url) is None
+    finally:
+        await feed.stop()
+        for p in pubs:
+            p.close()
+        await runner.cleanup()

@@ -47,6 +47,28 @@ async def caught_up(stream, replay_endpoint: str, timeout: float = 20.0) -> tupl
         await asyncio.sleep(0.05)
 
 
+async def load_follows_the_engine(rt, url: str) -> None:
+    """A request sent to the engine behind the router's back shows in the router's view of the engine's
+    queue within a second, and leaves it when it ends: the engine's events carry its load."""
+    ep = rt.decode.endpoints[url]
+    assert ep.load_from_events and ep.engine_queue == 0
+
+    async def until(queue: int) -> None:
+        deadline = time.monotonic() + 1.0
+        while ep.engine_queue != queue:
+            assert time.monotonic() < deadline, f"router sees {ep.engine_queue} requests on the engine, not {queue}"
+            await asyncio.sleep(0.01)
+
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 48, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        direct = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+        await until(1)
+        assert 0 < ep.kv_usage <= 1
+        assert (await direct).status_code == 200
+        await until(0)
+    assert ep.kv_usage == 0.0
+
+
 async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarted_engine(
         router, tmp_path: Path) -> None:
     events_port, http_port = free_port_pair(), free_port()
@@ -56,7 +78,8 @@ async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarte
     engine = launch(tmp_path, args, port=http_port)
     try:
         await asyncio.to_thread(engine.wait_healthy, 300)
-        r = await router(decode_urls=[engine.url], decode_policy="prefix-aware")
+        # Engine load is read from /metrics once a minute here: what the router knows sooner came in events.
+        r = await router(decode_urls=[engine.url], decode_policy="prefix-aware", load_interval=60)
         rt = r.router
         deadline = time.monotonic() + 30
         while not (rt.kv_feed.covers(engine.url) and rt.tokenizer is not None):
@@ -84,6 +107,7 @@ async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarte
         held, removed = await caught_up(stream, replay_endpoint)
         assert rt.kv_index.held(Publisher(engine.url, 0)) == held and held
         assert removed > 20 and hits > 10  # the small cache really evicted, and prefixes really hit
+        await load_follows_the_engine(rt, engine.url)
         # A restarted engine (same ports, new boot nonce) starts empty: its old entries go.
         old_id = stream.engine_id
         engine.stop()  # a clean stop says AllBlocksCleared already; the new engine's id must replace the old

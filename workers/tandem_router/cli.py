@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=d.health_interval, help="0 disables")
     p.add_argument("--load-interval", type=float, default=d.load_interval,
                    help="prefix-aware policy: seconds between reads of each engine's queue and KV usage "
-                        "from its /metrics (0: with the health checks)")
+                        "from its /metrics, for engines whose KV events do not carry them (0: with the "
+                        "health checks)")
     p.add_argument("--health-failures", type=int, default=d.health_failures)
     p.add_argument("--log-level", default="INFO")
     return p

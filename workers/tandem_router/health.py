@@ -54,10 +54,11 @@ class HealthChecker:
 
     async def _scrape_loads(self) -> None:
         """The prefix-aware score weighs each engine's queue: read it every `load_interval` (more often
-        than health checks), so that router replicas see each other's requests soon after they land."""
+        than health checks), so that router replicas see each other's requests soon after they land.
+        Engines whose KV events carry their load are not scraped here (health checks still read caps)."""
         while True:
             await asyncio.gather(*(self.scrape_load(ep) for pool in (self.router.decode, self.router.prefill)
-                                   for ep in pool.healthy()))
+                                   for ep in pool.healthy() if not ep.load_from_events))
             await asyncio.sleep(self.router.config.load_interval)
 
     async def _run(self) -> None:
@@ -114,10 +115,11 @@ class HealthChecker:
             return
         samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                    if s.name in ENGINE_LOAD_METRICS}
-        if "vllm:num_requests_running" in samples:
+        if ep.load_from_events:
+            pass  # the engine's KV events carry fresher numbers
+        elif "vllm:num_requests_running" in samples:
             ep.engine_queue = int(samples["vllm:num_requests_running"] + samples.get("vllm:num_requests_waiting", 0))
-        if "vllm:kv_cache_usage_perc" in samples:
-            ep.kv_usage = samples["vllm:kv_cache_usage_perc"]
+            ep.kv_usage = samples.get("vllm:kv_cache_usage_perc", ep.kv_usage)
         if "tandem:engine_max_num_seqs" in samples:
             ep.max_num_seqs = int(samples["tandem:engine_max_num_seqs"])
             self.router.admission.poll()  # a larger cap may admit queued requests now

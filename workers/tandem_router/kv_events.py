@@ -49,10 +49,17 @@ class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+class EngineLoad(msgspec.Struct, array_like=True):
+    running: int
+    waiting: int
+    kv_usage: float
+
+
 class KVEventBatch(msgspec.Struct, array_like=True):
     ts: float
     engine_id: str
     events: list[KVEvent]
+    load: EngineLoad | None = None  # the engine's load after the step, when it changed
 
 
 class PublisherInfo(msgspec.Struct):
@@ -96,8 +103,10 @@ class EventStream:
     """One publisher's batches, in order, into `apply`."""
 
     def __init__(self, key: Any, endpoint: str, replay_endpoint: str, apply: Apply,
-                 on_resync: Callable[[str], None], replay_timeout: float = 5.0) -> None:
+                 on_resync: Callable[[str], None], replay_timeout: float = 5.0,
+                 on_load: Callable[[Any, EngineLoad | None], None] | None = None) -> None:
         self.key = key
+        self.on_load = on_load  # the engine's load from each batch that carries it; None when reset
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.apply = apply
@@ -177,6 +186,8 @@ class EventStream:
 
     def _apply(self, seq: int, batch: KVEventBatch) -> None:
         self.apply(self.key, batch.events)
+        if batch.load is not None and self.on_load is not None:
+            self.on_load(self.key, batch.load)
         self.last = seq
         self.applied += 1
 
@@ -190,6 +201,8 @@ class EventStream:
 
     def _reset(self, reason: str | None) -> None:
         self.apply(self.key, None)
+        if self.on_load is not None:
+            self.on_load(self.key, None)
         self.last = -1
         self.engine_id = None
         if reason is not None:

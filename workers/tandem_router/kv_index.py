@@ -21,6 +21,7 @@ from tandem_router.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineLoad,
     EventStream,
     KVEvent,
     cancel_all,
@@ -96,13 +97,22 @@ class KVIndex:
                 del self._holders[h]
 
 
+# An engine's load from its events: (requests running + waiting over its ranks, mean KV usage), or None
+# while some rank's load is unknown (not yet received, or its stream was reset).
+OnLoad = Callable[[str, tuple[int, float] | None], None]
+
+
 class KVIndexFeed:
     """Keeps `index` fed from every engine it is told about: `attach(url)` asks the engine where it
-    publishes (`GET /kv_events`) and follows each publisher; `detach(url)` stops and forgets it."""
+    publishes (`GET /kv_events`) and follows each publisher; `detach(url)` stops and forgets it. The
+    engines' load, which their batches carry, goes to `on_load` as it changes."""
 
-    def __init__(self, index: KVIndex, on_resync: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, index: KVIndex, on_resync: Callable[[str, str], None] | None = None,
+                 on_load: OnLoad | None = None) -> None:
         self.index = index
         self.on_resync = on_resync
+        self.on_load = on_load
+        self._loads: dict[Publisher, EngineLoad] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._streams: dict[str, list[EventStream]] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
@@ -128,7 +138,8 @@ class KVIndexFeed:
         for p in info.publishers:
             host = publisher_host(url, p.host)
             streams.append(EventStream(Publisher(url, p.rank), f"tcp://{host}:{p.port}",
-                                       f"tcp://{host}:{p.replay_port}", self._apply, resynced))
+                                       f"tcp://{host}:{p.replay_port}", self._apply, resynced,
+                                       on_load=self._load))
         self._streams[url] = streams
         self._tasks[url] += [asyncio.create_task(s.run(self._ctx), name=f"kv-events {s.key}") for s in streams]
         logger.info("[kv-events] following %s: %s", url, ", ".join(s.endpoint for s in streams) or "publishes none")
@@ -139,13 +150,31 @@ class KVIndexFeed:
         else:
             self.index.apply(pub, events)
 
+    def _load(self, pub: Publisher, load: EngineLoad | None) -> None:
+        if load is None:
+            self._loads.pop(pub, None)
+        else:
+            self._loads[pub] = load
+        if self.on_load is not None:
+            self.on_load(pub.url, self.load(pub.url))
+
+    def load(self, url: str) -> tuple[int, float] | None:
+        """The engine's requests running and waiting over its ranks and their mean KV usage, as its
+        events last said; None unless every rank's is known."""
+        loads = [self._loads.get(s.key) for s in self._streams.get(url, [])]
+        if not loads or any(x is None for x in loads):
+            return None
+        known = [x for x in loads if x is not None]
+        return sum(x.running + x.waiting for x in known), sum(x.kv_usage for x in known) / len(known)
+
     def covers(self, url: str) -> bool:
         """The index is exact for this engine: it publishes, and every publisher is caught up."""
         streams = self._streams.get(url)
         return bool(streams) and all(s.synced.is_set() for s in streams or ())
 
     async def detach(self, url: str) -> None:
-        self._streams.pop(url, None)
+        for s in self._streams.pop(url, []):
+            self._loads.pop(s.key, None)
         await cancel_all(self._tasks.pop(url, []))
         self.index.drop_engine(url)
 

@@ -30,9 +30,11 @@ class Endpoint:
     served: int = 0
     ejections: int = 0
     last_error: str | None = field(default=None, repr=False)
-    # From the engine's /metrics, when the router scrapes them (health.py): None until then.
+    # From the engine's KV events when it publishes its load there (kv_index.py), else from its /metrics
+    # when the router scrapes them (health.py): None until then.
     engine_queue: int | None = None  # vllm:num_requests_running + vllm:num_requests_waiting
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc, 0-1
+    load_from_events: bool = False  # engine_queue and kv_usage come from KV events; scrapes leave them
     max_num_seqs: int | None = None  # tandem:engine_max_num_seqs: requests the engine runs at once
 
     def acquire(self, tokens: int) -> None:

@@ -50,7 +50,7 @@ class Router:
         self.scrapes_engine_load = any(isinstance(p, PrefixAware) for p in self.policies.values())
         # The exact index, fed by every engine's KV events (docs/architecture.md, "Routing").
         self.kv_index = KVIndex()
-        self.kv_feed = KVIndexFeed(self.kv_index, self._on_kv_resync)
+        self.kv_feed = KVIndexFeed(self.kv_index, self._on_kv_resync, self._on_engine_load)
         self.follows_kv_events = self.uses_prefix_index and config.kv_events
         self.metrics.kv_index_blocks.set_function(self.kv_index.size)
         self.tokenizer: PromptTokenizer | None = None
@@ -188,6 +188,15 @@ class Router:
                     self._tokenizer_task = asyncio.get_running_loop().create_task(self._load_tokenizer(ep.url))
             elif ep.url not in self.pool(ep.role).endpoints:  # gone, not just ejected: its events stop
                 asyncio.get_running_loop().create_task(self.kv_feed.detach(ep.url))
+
+    def _on_engine_load(self, url: str, load: tuple[int, float] | None) -> None:
+        """An engine's queue and KV usage from its KV events: fresher than a scrape, and the same for
+        every router replica at the same moment, so replicas weigh loads alike. None: back to scrapes."""
+        for pool in (self.decode, self.prefill):
+            if (ep := pool.endpoints.get(url)) is not None:
+                ep.load_from_events = load is not None
+                if load is not None:
+                    ep.engine_queue, ep.kv_usage = load
 
     def _on_kv_resync(self, url: str, reason: str) -> None:
         self.metrics.kv_index_resyncs.labels(url, reason).inc()

@@ -15,6 +15,7 @@ from tandem_engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineLoad,
     KVEvent,
     KVEventBatch,
     KVEventPublisher,
@@ -172,8 +173,13 @@ def test_a_malformed_replay_request_gets_the_end_marker(publisher: KVEventPublis
 
 
 def test_wire_form_is_vllm_shaped_msgpack() -> None:
-    """Tagged arrays, as vLLM's KV events encode: [tag, fields...] inside [ts, engine_id, events]."""
+    """Tagged arrays, as vLLM's KV events encode: [tag, fields...] inside [ts, engine_id, events, load]."""
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(
         KVEventBatch(1.5, "e", [BlockStored([7], None, [1, 2, 3, 4], 4), BlockRemoved([7]), AllBlocksCleared()])))
     assert raw == [1.5, "e", [["BlockStored", [7], None, [1, 2, 3, 4], 4], ["BlockRemoved", [7]],
-                              ["AllBlocksCleared"]]]
+                              ["AllBlocksCleared"]], None]
+    with_load = KVEventBatch(2.0, "e", [], EngineLoad(3, 1, 0.25))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_load)) == [2.0, "e", [], [3, 1, 0.25]]
+    # A batch without the load (an engine from before it was added) still decodes, load unknown.
+    assert decode_batch(msgspec.msgpack.encode([1.0, "e", [["AllBlocksCleared"]]])) == \
+        KVEventBatch(1.0, "e", [AllBlocksCleared()])

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from tandem_engine.core.block_pool import NONE_HASH, hash_block
-from tandem_engine.core.kv_events import AllBlocksCleared, BlockStored, decode_batch, replay
+from tandem_engine.core.kv_events import AllBlocksCleared, BlockStored, EngineLoad, decode_batch, replay
 from tandem_router.procs import free_port
 from tests.engine.engine_server import MODEL, run_server
 
@@ -47,11 +47,18 @@ def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> N
         while True:
             batches = [b for _, b in replay(f"tcp://127.0.0.1:{port + 1}", 0)]
             stored = [h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes]
-            if len(stored) >= len(tokens) // BS or time.monotonic() > deadline:
+            loads = [b.load for b in batches if b.load is not None]
+            ended = bool(loads) and loads[-1] == EngineLoad(0, 0, 0.0) and len(loads) > 1
+            if len(stored) >= len(tokens) // BS and ended or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert batches[0].events == [AllBlocksCleared()]
         assert stored[:len(tokens) // BS] == chain(tokens)
+        # The batches carry the engine's load as it changed: empty at start, the request running (its
+        # blocks in use), then nothing running and no block in use once it ended.
+        assert loads[0] == EngineLoad(0, 0, 0.0)
+        assert any(x.running == 1 and x.kv_usage > 0 for x in loads), loads
+        assert loads[-1] == EngineLoad(0, 0, 0.0), loads
         engine_id = batches[0].engine_id
         assert {b.engine_id for b in batches} == {engine_id}
     # A clean stop says the cache is gone; the live subscriber saw it.

@@ -9,7 +9,7 @@ import torch
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
-from tandem_engine.core.kv_events import AllBlocksCleared, KVEvent, KVEventBatch, KVEventPublisher
+from tandem_engine.core.kv_events import AllBlocksCleared, EngineLoad, KVEvent, KVEventBatch, KVEventPublisher
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.kv_transfer.factory import make_connector
 from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
@@ -50,11 +50,12 @@ class EngineCore:
             self.engine_id = self.kv_worker.engine_id
             self.runner.register_kv_connector(self.kv_worker)
         self.kv_events: KVEventPublisher | None = None
+        self._published_load: EngineLoad | None = None
         if config.kv_events_port:
             (port, replay_port), host = config.kv_events_ports(engine_index), config.kv_events_host
             self.kv_events = KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}",
                                               config.kv_events_buffer_steps)
-            self._publish([AllBlocksCleared()])  # a new engine id starts from an empty cache
+            self._publish([AllBlocksCleared()], EngineLoad(0, 0, 0.0))  # a new engine id starts empty
         self.scheduler = Scheduler(
             KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                            record_events=self.kv_events is not None),
@@ -90,13 +91,28 @@ class EngineCore:
         sampled = self.runner.execute(sched) if not sched.is_empty else {}
         outputs = self.scheduler.update_from_output(sched, sampled)
         self._idle = sched.is_empty and not outputs
-        if self.kv_events is not None and (events := self.scheduler.kv.pool.take_events()):
-            self._publish(events)
+        if self.kv_events is not None:
+            events, load = self.scheduler.kv.pool.take_events(), self._load_change()
+            if events or load is not None:
+                self._publish(events, load or self._published_load)
         return outputs
 
-    def _publish(self, events: list[KVEvent]) -> None:
+    def _load_change(self) -> EngineLoad | None:
+        """The scheduler's load, when routers have not seen it: a request came, started or ended, or
+        KV usage moved by a percent point since the last load published."""
+        s = self.scheduler
+        now = EngineLoad(len(s.running), len(s.waiting) + len(s.waiting_for_kv), s.kv.usage)
+        last = self._published_load
+        if last is not None and (now.running, now.waiting) == (last.running, last.waiting) \
+                and abs(now.kv_usage - last.kv_usage) < 0.01:
+            return None
+        return now
+
+    def _publish(self, events: list[KVEvent], load: EngineLoad | None = None) -> None:
         assert self.kv_events is not None
-        self.kv_events.publish(KVEventBatch(time.time(), self.engine_id, events))
+        self.kv_events.publish(KVEventBatch(time.time(), self.engine_id, events, load))
+        if load is not None:
+            self._published_load = load
 
     @property
     def kv_busy(self) -> bool:

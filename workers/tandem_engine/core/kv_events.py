@@ -14,7 +14,9 @@ docs/contracts.md, "KV events"):
 
 A subscriber that sees a gap in `seq` asks the replay socket for the missing batches; a new `engine_id`
 (it carries a boot nonce) means the engine restarted with an empty cache. An idle publisher sends an
-empty batch every second, so both are noticed without waiting for traffic.
+empty batch every second, so both are noticed without waiting for traffic. A batch also carries the
+engine's load (`EngineLoad`) whenever its running or waiting count, or its KV usage by a percent point,
+changed in the step: routers read queues from it.
 """
 
 from __future__ import annotations
@@ -57,10 +59,20 @@ class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+class EngineLoad(msgspec.Struct, array_like=True):
+    """The scheduler's load after a step, for routers that weigh queues (every replica then sees the
+    same numbers at the same time, where scrapes of /metrics would differ by their phase)."""
+
+    running: int
+    waiting: int  # waiting to be scheduled, or for their KV blocks to arrive
+    kv_usage: float  # share of KV blocks in use, 0-1
+
+
 class KVEventBatch(msgspec.Struct, array_like=True):
     ts: float  # time.time() when the step's events were taken
     engine_id: str  # host, DP rank and boot nonce: a restart changes it
     events: list[KVEvent]
+    load: EngineLoad | None = None  # after the step, when it changed (or with events); else unchanged
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -96,6 +108,7 @@ class KVEventPublisher:
         self._held: dict[int, None] = {}
         self._engine_id = ""
         self._block_size = 0
+        self._load: EngineLoad | None = None  # the last load published: heartbeats and snapshots repeat it
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -122,7 +135,7 @@ class KVEventPublisher:
             if batch is not None:
                 self._send(batch)
             elif self._engine_id and time.monotonic() - self._last_sent >= self.heartbeat_s:
-                self._send(KVEventBatch(time.time(), self._engine_id, []))
+                self._send(KVEventBatch(time.time(), self._engine_id, [], self._load))
             for sock, _ in poller.poll(0):
                 self._answer_replay(sock)
             if stop:
@@ -138,7 +151,11 @@ class KVEventPublisher:
         self._track(batch)
 
     def _track(self, batch: KVEventBatch) -> None:
+        if batch.engine_id != self._engine_id:
+            self._load = None  # another engine's load is not this one's
         self._engine_id = batch.engine_id
+        if batch.load is not None:
+            self._load = batch.load
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._block_size = ev.block_size
@@ -153,7 +170,7 @@ class KVEventPublisher:
         events: list[KVEvent] = [AllBlocksCleared()]
         if self._held:
             events.append(BlockStored(list(self._held), None, [], self._block_size))
-        return _encoder.encode(KVEventBatch(time.time(), self._engine_id, events))
+        return _encoder.encode(KVEventBatch(time.time(), self._engine_id, events, self._load))
 
     def _answer_replay(self, sock: zmq.Socket[bytes]) -> None:
         frames = sock.recv_multipart()
