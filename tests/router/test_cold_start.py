@@ -194,6 +194,30 @@ async def test_queued_requests_are_held_when_the_last_engine_goes(upstream, rout
     assert status == 200 and " a-19" in text and held_in(r) == 0
 
 
+async def test_held_requests_that_cannot_reach_their_engine_are_held_again(router) -> None:
+    """A pool at zero whose first endpoint is announced ready but cannot be reached yet (a pod IP whose
+    route is not up; discovery said ready before the engine listens): the held requests fail to connect,
+    the endpoint is ejected, and they wait again for the next admitted endpoint instead of a 502."""
+    port = free_port()
+    r = await router(decode_urls=[], cold_start_timeout=30, health_interval=0.1)
+    up = TestUpstream(name="a", tokens=3)
+    async with client() as s:
+        tasks = [asyncio.create_task(send(s, r.url, "/v1/completions", {"prompt": f"p{i}"})) for i in range(3)]
+        await eventually(lambda: held_in(r) == 3)
+        r.router.decode.set_urls([f"http://127.0.0.1:{port}"], healthy=True)  # nothing listens there yet
+        await eventually(lambda: r.router.metrics.upstream_requests.labels(
+            "decode", f"http://127.0.0.1:{port}", "connect_error")._value.get() >= 1)
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in tasks)
+        await up.start(port)  # the engine listens: the next health check admits it
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        finally:
+            await up.stop()
+    assert [status for status, _, _ in results] == [200] * 3, results
+    assert r.router.admission.admitted == 0 and held_in(r) == 0
+
+
 async def test_held_requests_go_to_a_new_engine_no_faster_than_its_slots(router) -> None:
     """The engine's slot count is read before it is admitted: a cold start does not release every held
     request onto the first engine at once (the default cap, 64, would)."""

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, NoReturn
 from aiohttp import web
 
 from tandem_router.pool import Endpoint, PoolKind
-from tandem_router.proxy import error_body
+from tandem_router.proxy import NoEndpoint, error_body
 from tandem_router.request import ParsedRequest
 
 if TYPE_CHECKING:
@@ -207,6 +207,23 @@ class Admission:
             w.gone = True
             self.queued -= 1
         return False
+
+    async def hold_again(self, failure: NoEndpoint, arrived: float, request_id: str) -> bool:
+        """A held request whose engine could not be reached after all (a 502: every try failed to
+        connect, and with that no decode endpoint is left): wait again for one, within the request's
+        `--cold-start-timeout` since `arrived` (perf_counter). True when one is admitted: try again;
+        raises the held request's 503 when none comes in time."""
+        if failure.status != 502 or not self.holding():
+            return False
+        logger.info("request %s: %s, and no decode endpoint is left: held again", request_id, failure)
+        waited = self.config.cold_start_timeout
+        while not self.router.decode.healthy():
+            if time.perf_counter() >= arrived + waited:
+                self.router.metrics.rejected.labels("cold_start_timeout").inc()
+                raise NoEndpoint(f"no healthy decode endpoint within {waited:g} s; the engines may be starting",
+                                 503, retry_after=str(COLD_START_RETRY_AFTER))
+            await asyncio.sleep(0.05)
+        return True
 
     def _push_out(self, priority: int) -> bool:
         """Make room in a full queue for a request of `priority` by refusing the last-arrived of the

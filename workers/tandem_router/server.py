@@ -79,10 +79,16 @@ async def _dispatch(request: web.Request, router: Router, parsed: ParsedRequest,
         body = with_token_ids(parsed.body)
         sent = dataclasses.replace(parsed, body=body, raw=json.dumps(body).encode())
     try:
-        if router.pd_mode:
-            up = await open_pd(router, route, sent, rreq, headers, t_start)
-        else:
-            up = await open_upstream(router, router.decode, route, sent.raw, rreq, headers, t_start=t_start)
+        while True:
+            try:
+                if router.pd_mode:
+                    up = await open_pd(router, route, sent, rreq, headers, t_start)
+                else:
+                    up = await open_upstream(router, router.decode, route, sent.raw, rreq, headers, t_start=t_start)
+                break
+            except NoEndpoint as e:
+                if not await router.admission.hold_again(e, t_start, request_id):
+                    raise
     except NoEndpoint as e:
         router.metrics.requests.labels(route, "", str(e.status)).inc()
         return e.response()
