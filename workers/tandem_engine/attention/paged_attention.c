@@ -1,9 +1,10 @@
 /* tandem's CPU paged attention for decode rows (see torch_backend.py, which builds it with the system C
- * compiler, caches the shared object per source, flags and CPU, and calls it through ctypes). The KV cache
+ * compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
+ * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
  * holds float32, bfloat16 or float16 (kv_type 0, 1, 2); a 16-bit block is widened to float32 in a per-thread
  * buffer before use, so the arithmetic is float32 whatever the cache holds (docs/architecture.md). */
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,7 +20,6 @@ typedef struct {
     float *scratch; int64_t scratch_per_thread;  /* floats: nq * max_klen scores, nq * D accumulators and,
                                                     for a 16-bit cache, one widened block bs * nkv * D */
     int64_t n_rows; int nq, nkv, d, bs; float scale;
-    int64_t next;                                /* work counter, advanced atomically */
 } job_t;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -97,37 +97,22 @@ static void one(const job_t *j, int64_t r, float *sc) {
     memcpy(j->out + row * nq * d, acc, sizeof(float) * nq * d);
 }
 
-typedef struct { job_t *j; int tid; } arg_t;
-
-static void *worker(void *p) {
-    arg_t *a = (arg_t *)p; job_t *j = a->j;
-    float *sc = j->scratch + a->tid * j->scratch_per_thread;
-    const int64_t total = j->n_rows;
-    for (;;) {
-        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (item >= total) break;
-        one(j, item, sc);
-    }
-    return NULL;
-}
-
 int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
                            const int32_t *table, int64_t table_stride, const int64_t *rows,
                            const int64_t *seqs, const int64_t *klens, float *out, float *scratch,
                            int64_t scratch_per_thread, int64_t n_rows, int nq, int nkv, int d, int bs,
                            float scale, int n_threads) {
     if (kv_type != KV_F32 && kv_type != KV_BF16 && kv_type != KV_F16) return -1;
-    job_t j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, rows, seqs, klens, out, scratch,
-               scratch_per_thread, n_rows, nq, nkv, d, bs, scale, 0};
-    if (n_threads > 64) n_threads = 64;
+    const job_t j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, rows, seqs, klens, out, scratch,
+                     scratch_per_thread, n_rows, nq, nkv, d, bs, scale};
     if (n_threads > n_rows) n_threads = (int)n_rows;
     if (n_threads < 1) n_threads = 1;
-    pthread_t th[64]; arg_t args[64];
-    for (int t = 0; t < n_threads; t++) args[t] = (arg_t){&j, t};
-    int started = 1;
-    for (int t = 1; t < n_threads; t++, started++)
-        if (pthread_create(&th[t], NULL, worker, &args[t]) != 0) break;
-    worker(&args[0]);
-    for (int t = 1; t < started; t++) pthread_join(th[t], NULL);
+    /* One row per work item, handed out dynamically: rows differ in context length. */
+    #pragma omp parallel num_threads(n_threads)
+    {
+        float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < n_rows; r++) one(&j, r, sc);
+    }
     return 0;
 }
