@@ -51,25 +51,76 @@ static const float *block_f32(const job_t *j, const void *cache, int64_t off, in
     return buf;
 }
 
+/* 8 floats in a vector register (GCC/Clang vector extension; aligned(4): loads need no alignment). */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define V8(p) (*(const v8 *)(p))
+
+static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* a . b for d a multiple of 8: four independent partial sums, so the FMAs do not wait on each other. */
+static inline float dot_v8(const float *a, const float *b, int d) {
+    v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int x = 0;
+    for (; x + 32 <= d; x += 32) {
+        s0 += V8(a + x) * V8(b + x);
+        s1 += V8(a + x + 8) * V8(b + x + 8);
+        s2 += V8(a + x + 16) * V8(b + x + 16);
+        s3 += V8(a + x + 24) * V8(b + x + 24);
+    }
+    for (; x < d; x += 8) s0 += V8(a + x) * V8(b + x);
+    return hsum8((s0 + s1) + (s2 + s3));
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    if (d % 8 == 0) return dot_v8(a, b, d);
+    float s = 0.f;
+    for (int x = 0; x < d; x++) s += a[x] * b[x];
+    return s;
+}
+
+/* acc [d] += sum over the block's n tokens of w[o] * v[o * stride : + d], for d a multiple of 8: each
+ * 8-float slice of acc stays in registers for the whole block. */
+static inline void axpy_block_v8(float *acc, const float *w, const float *v, int64_t n, int64_t stride, int d) {
+    for (int x = 0; x < d; x += 8) {
+        v8 r0 = V8(acc + x), r1 = {0};
+        int64_t o = 0;
+        for (; o + 2 <= n; o += 2) {
+            r0 += w[o] * V8(v + o * stride + x);
+            r1 += w[o + 1] * V8(v + (o + 1) * stride + x);
+        }
+        if (o < n) r0 += w[o] * V8(v + o * stride + x);
+        *(v8 *)(acc + x) = r0 + r1;
+    }
+}
+
+/* Prefetch `bytes` of cache memory from p on, one cache line at a time: the next block, scattered
+ * elsewhere in the pool, is on its way while this one is computed. */
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
+}
+
+/* Where block `i` of a row's table starts in `cache`, as bytes (NULL past the row's last block). */
+static const char *block_at(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen) {
+    if (i * j->bs >= klen) return NULL;
+    const int64_t elem = j->kv_type == KV_F32 ? 4 : 2;
+    return (const char *)cache + (int64_t)bt[i] * j->bs * j->nkv * j->d * elem;
+}
+
 static void one(const job_t *j, int64_t r, float *sc) {
     const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv, nq = j->nq;
     const int64_t row = j->rows[r], klen = j->klens[r];
     const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
     const float *q = j->q + row * j->q_tok_stride;
     float *acc = sc + (int64_t)nq * klen, *wide = acc + (int64_t)nq * d;
-    const int64_t tok_stride = (int64_t)nkv * d;
+    const int64_t tok_stride = (int64_t)nkv * d, tok_bytes = tok_stride * (j->kv_type == KV_F32 ? 4 : 2);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
+        const char *next = block_at(j, j->kc, bt, p0 / bs + 1, klen);
         for (int64_t o = 0; o < n; o++) {
-            for (int h = 0; h < nkv; h++) {
-                const float *k = kb + o * tok_stride + h * d;
-                for (int gi = 0; gi < g; gi++) {
-                    const float *qq = q + (h * g + gi) * d; float s = 0.f;
-                    for (int x = 0; x < d; x++) s += qq[x] * k[x];
-                    sc[(h * g + gi) * klen + p0 + o] = s * j->scale;
-                }
-            }
+            if (next) prefetch(next + o * tok_bytes, tok_bytes);
+            for (int hi = 0; hi < nq; hi++)  /* query head hi reads kv head hi / g */
+                sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         }
     }
     for (int hi = 0; hi < nq; hi++) {
@@ -83,14 +134,19 @@ static void one(const job_t *j, int64_t r, float *sc) {
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        for (int64_t o = 0; o < n; o++) {
-            for (int h = 0; h < nkv; h++) {
-                const float *v = vb + o * tok_stride + h * d;
-                for (int gi = 0; gi < g; gi++) {
-                    const int hi = h * g + gi;
-                    const float w = sc[hi * klen + p0 + o]; float *a = acc + hi * d;
-                    for (int x = 0; x < d; x++) a[x] += w * v[x];
+        const char *next = block_at(j, j->vc, bt, p0 / bs + 1, klen);
+        if (next) prefetch(next, (klen - p0 - n < bs ? klen - p0 - n : bs) * tok_bytes);
+        for (int h = 0; h < nkv; h++) {
+            for (int gi = 0; gi < g; gi++) {
+                const int hi = h * g + gi;
+                const float *w = sc + hi * klen + p0;
+                float *a = acc + hi * d;
+                if (d % 8 == 0) {
+                    axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
+                    continue;
                 }
+                for (int64_t o = 0; o < n; o++)
+                    for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
             }
         }
     }

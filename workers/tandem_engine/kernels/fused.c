@@ -9,8 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Rows per thread below which the OpenMP fork costs more than it saves. */
-#define MIN_ELEMS_PER_THREAD 4096
+/* Elements per thread below which a row loop stays on the calling thread: the fork and join cost more
+ * than they save there, and a loaded machine can stall the join (torch's grain for elementwise ops is
+ * of the same order). */
+#define MIN_ELEMS_PER_THREAD 16384
 
 static int threads_for(int64_t rows, int64_t n, int n_threads) {
     int64_t useful = rows * n / MIN_ELEMS_PER_THREAD;
