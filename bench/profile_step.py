@@ -214,15 +214,13 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
 
     v = res["variants"]
     names = list(v)
     comps = list(v[names[0]]["components_ms"])
-    fig, ax = plt.subplots(figsize=(9, 3))
+    fig = Figure(figsize=(9, 3))
+    ax = fig.subplots()
     left = [0.0] * len(names)
     for comp in comps:
         vals = [max(0.0, v[n]["components_ms"][comp]) for n in names]
