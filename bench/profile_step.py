@@ -9,8 +9,10 @@ variants alternating step by step so that both see the same load and about the s
 timers around the model's projections, attention, KV writes, norms (with their residual adds), activation,
 RoPE, LM head and sampler split each step; what is left of the model's forward is the Python around the
 layers, and what is left of the step the runner's and scheduler's Python. The ceiling is the step's
-projection FLOPs at the matmul rate `bench/roofline.py` measures for M = batch (its best layout). The
-attention kernel's KV read rate is set against a copy of the same bytes of the pool.
+projection FLOPs at the matmul rate `bench/roofline.py` measures for M = batch (its best layout, one
+layer's weights re-read from cache); the memory floor is the bytes a step must stream (every weight
+once, every sequence's K and V) at the rate a large tensor is summed. The attention kernel's KV read
+rate is set against a copy of the same bytes of the pool.
 Writes bench/results/profile_step.{json,md,png} (docs/benchmarks.md, "Decode step profile").
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 from harness import MODEL, bench_main
-from roofline import flops_per_token, rate
+from roofline import flops_per_token, rate, shapes
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
@@ -133,6 +135,17 @@ def copy_rate(core: EngineCore, nbytes: float) -> float:
     return src.numel() * src.element_size() / statistics.median(ts[1:]) / 1e9
 
 
+def read_rate(nbytes: int = 256 << 20) -> float:
+    """GB/s at which this machine streams a float32 tensor of `nbytes` (far past the caches) into a sum."""
+    x = torch.ones(nbytes // 4)
+    ts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts[1:]) / 1e9
+
+
 def breakdown(timers: Timers, name: str, steps: list[float]) -> dict[str, Any]:
     """Milliseconds per step of each component, and the Python left over."""
     n = len(steps)
@@ -178,10 +191,17 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     cfg, _, _ = load_config_and_tokenizer(resolve_model(a.model))
     gflop = a.batch * flops_per_token(cfg)[1] / 1e9
     best = max(rate(cfg, a.batch, torch.float32, head=True), rate(cfg, a.batch, torch.float32, True, True))
+    # Every float32 projection weight and the LM head are read once per step (the roofline's rates
+    # re-read one layer from cache), and the attention reads every sequence's K and V.
+    layer, head, n_layers = shapes(cfg)
+    weight_bytes = 4 * (n_layers * sum(o * k for o, k in layer) + head[0] * head[1])
+    stream = read_rate()
     res["ceiling"] = {"gflop_per_step": gflop, "matmul_gflop_s_at_batch": best,
-                      "step_floor_ms": gflop / best * 1e3}
+                      "step_floor_ms": gflop / best * 1e3, "weight_bytes_per_step": weight_bytes,
+                      "read_gb_s": stream, "memory_floor_ms": (weight_bytes + kv_bytes) / stream / 1e6}
     for v in res["variants"].values():
         v["share_of_ceiling"] = res["ceiling"]["step_floor_ms"] / v["step_ms_mean"]
+        v["share_of_memory_floor"] = res["ceiling"]["memory_floor_ms"] / v["step_ms_mean"]
         v["tok_s"] = a.batch / v["step_ms_mean"] * 1e3
     return res
 
@@ -197,19 +217,21 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"# One decode step at batch {res['config']['batch']}, {res['config']['context']} tokens of context",
              "", f"1-minute load {res['load_average'][0]:.2f} -> {res['load_average'][1]:.2f}, "
              f"{res['threads']} threads; ceiling: {c['gflop_per_step']:.2f} GFLOP per step at "
-             f"{c['matmul_gflop_s_at_batch']:.0f} GFLOP/s = {c['step_floor_ms']:.1f} ms", "",
+             f"{c['matmul_gflop_s_at_batch']:.0f} GFLOP/s = {c['step_floor_ms']:.1f} ms; memory floor: "
+             f"{(c['weight_bytes_per_step'] + v[names[0]]['kv_bytes_per_step']) / 1e6:.0f} MB of weights and KV "
+             f"per step at {c['read_gb_s']:.1f} GB/s (a streamed sum) = {c['memory_floor_ms']:.1f} ms", "",
              f"| component | {head} |", "|---|" + "---:|" * (2 * len(names))]
     for comp in v[names[0]]["components_ms"]:
         cells = " | ".join(f"{v[n]['components_ms'][comp]:.2f} | "
                            f"{100 * v[n]['components_ms'][comp] / v[n]['step_ms_mean']:.1f}" for n in names)
         lines.append(f"| {comp} | {cells} |")
     lines.append("| **step (mean)** | " + " | ".join(f"**{v[n]['step_ms_mean']:.2f}** | 100" for n in names) + " |")
-    lines += ["", "| variant | tok/s | share of ceiling | attention KV read GB/s | copy of the same bytes GB/s |",
-              "|---|---:|---:|---:|---:|"]
+    lines += ["", "| variant | tok/s | share of ceiling | share of memory floor | attention KV read GB/s | "
+              "copy of the same bytes GB/s |", "|---|---:|---:|---:|---:|---:|"]
     for n in names:
         gbs = v[n]["attention_kv_read_gb_s"]
         lines.append(f"| {n} | {v[n]['tok_s']:.1f} | {100 * v[n]['share_of_ceiling']:.1f}% | "
-                     f"{gbs or 0:.1f} | {res['kv_copy_gb_s']:.1f} |")
+                     f"{100 * v[n]['share_of_memory_floor']:.1f}% | {gbs or 0:.1f} | {res['kv_copy_gb_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -227,6 +249,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ax.barh(names, vals, left=left, label=comp)
         left = [lo + x for lo, x in zip(left, vals, strict=True)]
     ax.axvline(res["ceiling"]["step_floor_ms"], color="k", ls="--", label="fp32 ceiling")
+    ax.axvline(res["ceiling"]["memory_floor_ms"], color="k", ls=":", label="memory floor")
     ax.set_xlabel("ms per decode step")
     ax.set_title(f"Batch {res['config']['batch']} decode step (load {res['load_average'][0]:.2f})", fontsize=10)
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
