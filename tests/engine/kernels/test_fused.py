@@ -1,7 +1,7 @@
 """The fused C kernels (kernels/fused.c) against torch's own ops: residual add + RMSNorm, SiLU(gate) * up.
 
-Odd sizes (not a multiple of the kernels' 8-wide partial sums), one row and 33 rows (more rows than
-threads, not a multiple of them), strided inputs, and dtypes the kernels do not take (which must give
+Odd sizes (not a multiple of the kernels' 8-wide partial sums), one row, 33 rows and 257 rows (split
+between threads, not a multiple of them), strided inputs, and dtypes the kernels do not take (which must give
 torch's result exactly, through the fallback).
 """
 
@@ -19,7 +19,8 @@ from tandem_engine.kernels.fused import TORCH_OPS, FusedOps, load_fused_ops
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
-SHAPES = [(1, 576), (33, 577), (33, 1), (5, 7), (2, 4099)]
+# (257, 577): enough elements for the kernels to split the rows between threads.
+SHAPES = [(1, 576), (33, 577), (33, 1), (5, 7), (2, 4099), (257, 577)]
 
 
 @pytest.fixture(scope="module")
