@@ -93,10 +93,13 @@ static inline void axpy_block_v8(float *acc, const float *w, const float *v, int
     }
 }
 
-/* Prefetch `bytes` of cache memory from p on, one cache line at a time: the next block, scattered
- * elsewhere in the pool, is on its way while this one is computed. */
+/* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
+ * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
 static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);  /* into L2: L1 holds the block being read */
 }
 
 /* Where block `i` of a row's table starts in `cache`, as bytes (NULL past the row's last block). */
@@ -113,12 +116,17 @@ static void one(const job_t *j, int64_t r, float *sc) {
     const float *q = j->q + row * j->q_tok_stride;
     float *acc = sc + (int64_t)nq * klen, *wide = acc + (int64_t)nq * d;
     const int64_t tok_stride = (int64_t)nkv * d, tok_bytes = tok_stride * (j->kv_type == KV_F32 ? 4 : 2);
+    for (int64_t i = 0; i < PREFETCH_AHEAD; i++) {  /* the first blocks of K, and of V for after the softmax */
+        const char *kp = block_at(j, j->kc, bt, i, klen), *vp = block_at(j, j->vc, bt, i, klen);
+        if (kp) prefetch(kp, (int64_t)bs * tok_bytes);
+        if (vp) prefetch(vp, (int64_t)bs * tok_bytes);
+    }
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        const char *next = block_at(j, j->kc, bt, p0 / bs + 1, klen);
+        const char *next = block_at(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen);
         for (int64_t o = 0; o < n; o++) {
-            if (next) prefetch(next + o * tok_bytes, tok_bytes);
+            if (next) prefetch(next + o * tok_bytes, tok_bytes);  /* the whole block over the loop */
             for (int hi = 0; hi < nq; hi++)  /* query head hi reads kv head hi / g */
                 sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         }
@@ -134,8 +142,8 @@ static void one(const job_t *j, int64_t r, float *sc) {
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        const char *next = block_at(j, j->vc, bt, p0 / bs + 1, klen);
-        if (next) prefetch(next, (klen - p0 - n < bs ? klen - p0 - n : bs) * tok_bytes);
+        const char *next = block_at(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen);
+        if (next) prefetch(next, (int64_t)bs * tok_bytes);
         for (int h = 0; h < nkv; h++) {
             for (int gi = 0; gi < g; gi++) {
                 const int hi = h * g + gi;
