@@ -67,6 +67,7 @@ class Timers:
 def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) -> None:
     """Put the timers around every component of `core`'s decode step."""
     runner, model = core.runner, core.runner.model
+    # Every projection of a layer (dense, packed or quantized) goes through DecoderLayer._project.
     llama.DecoderLayer._project = timers.wrap("projections", llama.DecoderLayer._project)  # type: ignore[method-assign]
     llama.apply_rope = timers.wrap("rope", llama.apply_rope)
     backend = runner.backend
