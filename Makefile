@@ -42,6 +42,7 @@ test: setup tools ## run the whole test suite (the first run builds the Kubernet
 bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/serving.py
 	$(PY) bench/engine_profile.py --batch 32 --prompt-len 256 --output-len 128
+	$(PY) bench/profile_step.py
 	$(PY) bench/migration.py
 	$(PY) bench/overload.py
 

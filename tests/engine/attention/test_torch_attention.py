@@ -96,7 +96,8 @@ def test_matches_dense_reference(case: str, use_kernel: bool) -> None:
 
 
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
-@pytest.mark.parametrize("heads", [(4, 4, 16), (8, 1, 128), (9, 3, 64)], ids=["mha", "mqa_d128", "smollm2"])
+@pytest.mark.parametrize("heads", [(4, 4, 16), (8, 1, 128), (9, 3, 64), (6, 2, 12), (2, 1, 40)],
+                         ids=["mha", "mqa_d128", "smollm2", "d12_scalar", "d40_vector_tail"])
 def test_head_layouts_at_block_size_16(heads: tuple[int, int, int], use_kernel: bool) -> None:
     """Decode rows, a long prefill with context and a short chunk, at the engine's block size."""
     tables = [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]]

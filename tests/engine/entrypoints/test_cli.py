@@ -12,7 +12,10 @@ import torch
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.entrypoints.cli import build_parser, config_from_args, main
-from tandem_engine.worker.model_runner import select_backend
+from tandem_engine.models.llama import LlamaForCausalLM
+from tandem_engine.models.loader import LoadedModel
+from tandem_engine.worker.model_runner import ModelRunner, select_backend
+from tests.engine.utils import tiny_config
 
 
 def test_every_config_field_is_a_flag_with_the_configs_default() -> None:
@@ -28,7 +31,7 @@ def test_flags_reach_the_config() -> None:
     args = build_parser().parse_args([
         "--model", "/m", "--dtype", "float32", "--role", "decode", "--max-model-len", "512",
         "--num-kv-blocks", "8", "--no-prefix-caching", "--ready-timeout", "5", "--kv-failure-policy",
-        "recompute", "--no-cpu-attention-kernel", "--no-onednn-pack", "--cache-dir", "/tmp/c",
+        "recompute", "--no-cpu-attention-kernel", "--no-cpu-fused-kernels", "--no-onednn-pack", "--cache-dir", "/tmp/c",
         "--scheduling-policy", "priority", "--max-waiting-requests", "0", "--port", "9000",
         "--kv-cache-dtype", "bfloat16",
     ])
@@ -36,7 +39,8 @@ def test_flags_reach_the_config() -> None:
     assert config == dataclasses.replace(
         EngineConfig(), model="/m", dtype="float32", role="decode", max_model_len=512, num_kv_blocks=8,
         enable_prefix_caching=False, ready_timeout_s=5.0, kv_failure_policy="recompute",
-        cpu_attention_kernel=False, onednn_pack=False, cache_dir="/tmp/c", scheduling_policy="priority",
+        cpu_attention_kernel=False, cpu_fused_kernels=False, onednn_pack=False, cache_dir="/tmp/c",
+        scheduling_policy="priority",
         max_waiting_requests=0, kv_cache_dtype="bfloat16",
     )
     assert args.port == 9000
@@ -76,3 +80,16 @@ def test_cpu_attention_kernel_flag_and_cache_dir_reach_the_backend(tmp_path: Pat
     assert off.name == "torch" and not (tmp_path / "kernels").exists()
     on = select_backend(EngineConfig(cache_dir=str(tmp_path)), cpu)
     assert on.name == "torch" and list((tmp_path / "kernels").glob("paged_attention_*.so"))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_cpu_fused_kernels_flag_reaches_the_model(tmp_path: Path) -> None:
+    cfg = tiny_config("llama")
+
+    def runner(**flags: bool) -> ModelRunner:
+        loaded = LoadedModel(LlamaForCausalLM(cfg, torch.float32), cfg, torch.float32)
+        return ModelRunner(EngineConfig(num_kv_blocks=8, cache_dir=str(tmp_path), **flags), loaded, 16)
+
+    assert not runner(cpu_fused_kernels=False).model.ops.native
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("fused_*.so"))
+    assert runner().model.ops.native and list((tmp_path / "kernels").glob("fused_*.so"))

@@ -1,17 +1,22 @@
 """Native Llama-family model vs transformers on the same random weights (float32).
 
 Each family runs prompts through the paged cache in mixed steps (chunked prefill with cached context
-next to decode rows) and must produce transformers' greedy tokens with logits within 1e-4.
+next to decode rows) and must produce transformers' greedy tokens with logits within 1e-4, with torch's
+norms and activation and with the fused C kernels.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tandem_engine.attention.torch_backend import TorchAttentionBackend
+from tandem_engine.kernels.fused import load_fused_ops
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 from tests.engine.utils import hf_greedy, kv_caches, make_meta, paged_greedy, tiny_config
@@ -38,6 +43,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
 }
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
 
 
 def build_pair(name: str) -> tuple[Any, LlamaForCausalLM]:
@@ -72,9 +82,13 @@ def test_prompt_logits_match_transformers(name: str) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-ops", "fused-kernels"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_decode_matches_transformers(name: str) -> None:
+def test_greedy_decode_matches_transformers(name: str, fused: bool, kernel_cache: Path) -> None:
     hf, ours = build_pair(name)
+    if fused:
+        ours.use_fused_ops(load_fused_ops(kernel_cache))
+        assert ours.ops.native or shutil.which(os.environ.get("CC", "cc")) is None
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (11, 3, 7)]
     max_new = 10

@@ -1,9 +1,10 @@
 /* tandem's CPU paged attention for decode rows (see torch_backend.py, which builds it with the system C
- * compiler, caches the shared object per source, flags and CPU, and calls it through ctypes). The KV cache
+ * compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
+ * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
  * holds float32, bfloat16 or float16 (kv_type 0, 1, 2); a 16-bit block is widened to float32 in a per-thread
  * buffer before use, so the arithmetic is float32 whatever the cache holds (docs/architecture.md). */
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,7 +20,6 @@ typedef struct {
     float *scratch; int64_t scratch_per_thread;  /* floats: nq * max_klen scores, nq * D accumulators and,
                                                     for a 16-bit cache, one widened block bs * nkv * D */
     int64_t n_rows; int nq, nkv, d, bs; float scale;
-    int64_t next;                                /* work counter, advanced atomically */
 } job_t;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -51,25 +51,84 @@ static const float *block_f32(const job_t *j, const void *cache, int64_t off, in
     return buf;
 }
 
+/* 8 floats in a vector register (GCC/Clang vector extension; aligned(4): loads need no alignment). */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define V8(p) (*(const v8 *)(p))
+
+static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* a . b for d a multiple of 8: four independent partial sums, so the FMAs do not wait on each other. */
+static inline float dot_v8(const float *a, const float *b, int d) {
+    v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int x = 0;
+    for (; x + 32 <= d; x += 32) {
+        s0 += V8(a + x) * V8(b + x);
+        s1 += V8(a + x + 8) * V8(b + x + 8);
+        s2 += V8(a + x + 16) * V8(b + x + 16);
+        s3 += V8(a + x + 24) * V8(b + x + 24);
+    }
+    for (; x < d; x += 8) s0 += V8(a + x) * V8(b + x);
+    return hsum8((s0 + s1) + (s2 + s3));
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    if (d % 8 == 0) return dot_v8(a, b, d);
+    float s = 0.f;
+    for (int x = 0; x < d; x++) s += a[x] * b[x];
+    return s;
+}
+
+/* acc [d] += sum over the block's n tokens of w[o] * v[o * stride : + d], for d a multiple of 8: each
+ * 8-float slice of acc stays in registers for the whole block. */
+static inline void axpy_block_v8(float *acc, const float *w, const float *v, int64_t n, int64_t stride, int d) {
+    for (int x = 0; x < d; x += 8) {
+        v8 r0 = V8(acc + x), r1 = {0};
+        int64_t o = 0;
+        for (; o + 2 <= n; o += 2) {
+            r0 += w[o] * V8(v + o * stride + x);
+            r1 += w[o + 1] * V8(v + (o + 1) * stride + x);
+        }
+        if (o < n) r0 += w[o] * V8(v + o * stride + x);
+        *(v8 *)(acc + x) = r0 + r1;
+    }
+}
+
+/* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
+ * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);  /* into L2: L1 holds the block being read */
+}
+
+/* Where block `i` of a row's table starts in `cache`, as bytes (NULL past the row's last block). */
+static const char *block_at(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen) {
+    if (i * j->bs >= klen) return NULL;
+    const int64_t elem = j->kv_type == KV_F32 ? 4 : 2;
+    return (const char *)cache + (int64_t)bt[i] * j->bs * j->nkv * j->d * elem;
+}
+
 static void one(const job_t *j, int64_t r, float *sc) {
     const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv, nq = j->nq;
     const int64_t row = j->rows[r], klen = j->klens[r];
     const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
     const float *q = j->q + row * j->q_tok_stride;
     float *acc = sc + (int64_t)nq * klen, *wide = acc + (int64_t)nq * d;
-    const int64_t tok_stride = (int64_t)nkv * d;
+    const int64_t tok_stride = (int64_t)nkv * d, tok_bytes = tok_stride * (j->kv_type == KV_F32 ? 4 : 2);
+    for (int64_t i = 0; i < PREFETCH_AHEAD; i++) {  /* the first blocks of K, and of V for after the softmax */
+        const char *kp = block_at(j, j->kc, bt, i, klen), *vp = block_at(j, j->vc, bt, i, klen);
+        if (kp) prefetch(kp, (int64_t)bs * tok_bytes);
+        if (vp) prefetch(vp, (int64_t)bs * tok_bytes);
+    }
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
+        const char *next = block_at(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen);
         for (int64_t o = 0; o < n; o++) {
-            for (int h = 0; h < nkv; h++) {
-                const float *k = kb + o * tok_stride + h * d;
-                for (int gi = 0; gi < g; gi++) {
-                    const float *qq = q + (h * g + gi) * d; float s = 0.f;
-                    for (int x = 0; x < d; x++) s += qq[x] * k[x];
-                    sc[(h * g + gi) * klen + p0 + o] = s * j->scale;
-                }
-            }
+            if (next) prefetch(next + o * tok_bytes, tok_bytes);  /* the whole block over the loop */
+            for (int hi = 0; hi < nq; hi++)  /* query head hi reads kv head hi / g */
+                sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         }
     }
     for (int hi = 0; hi < nq; hi++) {
@@ -83,32 +142,23 @@ static void one(const job_t *j, int64_t r, float *sc) {
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        for (int64_t o = 0; o < n; o++) {
-            for (int h = 0; h < nkv; h++) {
-                const float *v = vb + o * tok_stride + h * d;
-                for (int gi = 0; gi < g; gi++) {
-                    const int hi = h * g + gi;
-                    const float w = sc[hi * klen + p0 + o]; float *a = acc + hi * d;
-                    for (int x = 0; x < d; x++) a[x] += w * v[x];
+        const char *next = block_at(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen);
+        if (next) prefetch(next, (int64_t)bs * tok_bytes);
+        for (int h = 0; h < nkv; h++) {
+            for (int gi = 0; gi < g; gi++) {
+                const int hi = h * g + gi;
+                const float *w = sc + hi * klen + p0;
+                float *a = acc + hi * d;
+                if (d % 8 == 0) {
+                    axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
+                    continue;
                 }
+                for (int64_t o = 0; o < n; o++)
+                    for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
             }
         }
     }
     memcpy(j->out + row * nq * d, acc, sizeof(float) * nq * d);
-}
-
-typedef struct { job_t *j; int tid; } arg_t;
-
-static void *worker(void *p) {
-    arg_t *a = (arg_t *)p; job_t *j = a->j;
-    float *sc = j->scratch + a->tid * j->scratch_per_thread;
-    const int64_t total = j->n_rows;
-    for (;;) {
-        const int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (item >= total) break;
-        one(j, item, sc);
-    }
-    return NULL;
 }
 
 int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
@@ -117,17 +167,16 @@ int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc,
                            int64_t scratch_per_thread, int64_t n_rows, int nq, int nkv, int d, int bs,
                            float scale, int n_threads) {
     if (kv_type != KV_F32 && kv_type != KV_BF16 && kv_type != KV_F16) return -1;
-    job_t j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, rows, seqs, klens, out, scratch,
-               scratch_per_thread, n_rows, nq, nkv, d, bs, scale, 0};
-    if (n_threads > 64) n_threads = 64;
+    const job_t j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, rows, seqs, klens, out, scratch,
+                     scratch_per_thread, n_rows, nq, nkv, d, bs, scale};
     if (n_threads > n_rows) n_threads = (int)n_rows;
     if (n_threads < 1) n_threads = 1;
-    pthread_t th[64]; arg_t args[64];
-    for (int t = 0; t < n_threads; t++) args[t] = (arg_t){&j, t};
-    int started = 1;
-    for (int t = 1; t < n_threads; t++, started++)
-        if (pthread_create(&th[t], NULL, worker, &args[t]) != 0) break;
-    worker(&args[0]);
-    for (int t = 1; t < started; t++) pthread_join(th[t], NULL);
+    /* One row per work item, handed out dynamically: rows differ in context length. */
+    #pragma omp parallel num_threads(n_threads)
+    {
+        float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < n_rows; r++) one(&j, r, sc);
+    }
     return 0;
 }

@@ -98,6 +98,10 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
     compute.add_argument("--cpu-attention-kernel", action=argparse.BooleanOptionalAction,
                          default=d.cpu_attention_kernel,
                          help="the torch backend's C paged-attention kernel (built on first use)")
+    compute.add_argument("--cpu-fused-kernels", action=argparse.BooleanOptionalAction,
+                         default=d.cpu_fused_kernels,
+                         help="C kernels for the residual add + RMSNorm and SiLU * up of a float32 model on "
+                              "the CPU (built on first use)")
     compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
                          help="oneDNN-prepacked weights for batched CPU matmuls")
 

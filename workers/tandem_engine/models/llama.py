@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
 from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, check_supported
@@ -186,14 +187,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden] residual stream, updated in place
+        h: torch.Tensor,  # [T, hidden] x through this layer's input norm
+        next_norm: torch.Tensor,  # [hidden] the next layer's input norm (the model's final norm after the last)
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+        ops: FusedOps,
+    ) -> torch.Tensor:  # [T, hidden] the updated x through `next_norm`
         t = x.shape[0]
-        h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
         qkv = self._project("qkv", h, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
@@ -209,13 +212,12 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, nq, D]
-        x.add_(self._project("o", o.reshape(t, self.q_size), self.o_weight, self.o_bias))
-
-        h = F.rms_norm(x, x.shape[-1:], self.post_attn_norm, self.eps)
+        # Each residual add is fused with the norm that reads its result (kernels/fused.py).
+        o = self._project("o", o.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        h = ops.add_rms_norm(x, o, self.post_attn_norm, self.eps)
         gu = self._project("gate_up", h, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * inter]
-        act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        x.add_(self._project("down", act, self.down_weight, self.down_bias))
-        return x
+        act = ops.silu_mul(gu)  # [T, inter]
+        return ops.add_rms_norm(x, self._project("down", act, self.down_weight, self.down_bias), next_norm, self.eps)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -250,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = _param((cfg.hidden_size,), dtype)
         self.packed_lm_head: torch.Tensor | None = None
+        self.ops = TORCH_OPS  # norms and activation: torch's ops until `use_fused_ops` (kernels/fused.py)
         self.quantization = "none"  # what `quantize` made of the projections
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
@@ -277,9 +280,14 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], a fresh tensor we may update in place
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta, backend)
-        return F.rms_norm(x, x.shape[-1:], self.norm, self.eps)
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        # Every layer ends with its residual add fused into the norm after it: the next layer's input norm,
+        # or the final one.
+        h = self.ops.add_rms_norm(x, None, layers[0].input_norm, self.eps)
+        next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+        for layer, kv, norm in zip(layers, kv_caches, next_norms, strict=True):
+            h = layer(x, h, norm, cos, sin, kv, meta, backend, self.ops)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
@@ -287,6 +295,10 @@ class LlamaForCausalLM(nn.Module):
         # against the transposed copy.
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
         return linear(hidden, w, None, self.packed_lm_head).float()
+
+    def use_fused_ops(self, ops: FusedOps) -> None:
+        """Run the residual adds, norms and activation through `ops` (the C kernels where they apply)."""
+        self.ops = ops
 
     @torch.no_grad()
     def quantize(self, method: str, device: torch.device) -> None:

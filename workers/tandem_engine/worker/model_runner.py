@@ -17,6 +17,7 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.scheduler import SampledToken, SchedulerOutput
+from tandem_engine.kernels.fused import load_fused_ops
 from tandem_engine.kv_transfer.interface import KVConnectorWorker
 from tandem_engine.models.loader import LoadedModel, pick_dtype
 from tandem_engine.worker.sampler import Sampler
@@ -59,6 +60,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = select_backend(config, self.device)
+        if config.cpu_fused_kernels and self.device.type == "cpu":
+            self.model.use_fused_ops(load_fused_ops(config.cache_path))
         self.sampler = Sampler()
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)

@@ -1,0 +1,266 @@
+"""Where one batched decode step's time goes, by component, with the fused CPU kernels off and on, next to
+the float32 ceiling measured in the same run.
+
+    .venv/bin/python bench/profile_step.py [--batch 32 --context 256 --steps 8]
+
+An EngineCore runs in-process (the real model, float32; no HTTP, no ZMQ): `--batch` requests with
+`--context`-token prompts are prefilled, then `--steps` decode steps are timed for each variant, the two
+variants alternating step by step so that both see the same load and about the same context. Explicit
+timers around the model's projections, attention, KV writes, norms (with their residual adds), activation,
+RoPE, LM head and sampler split each step; what is left of the model's forward is the Python around the
+layers, and what is left of the step the runner's and scheduler's Python. The ceiling is the step's
+projection FLOPs at the matmul rate `bench/roofline.py` measures for M = batch (its best layout, one
+layer's weights re-read from cache); the memory floor is the bytes a step must stream (every weight
+once, every sequence's K and V) at the rate a large tensor is summed. The attention kernel's KV read
+rate is set against a copy of the same bytes of the pool.
+Writes bench/results/profile_step.{json,md,png} (docs/benchmarks.md, "Decode step profile").
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from harness import MODEL, bench_main
+from roofline import flops_per_token, rate, shapes
+
+from tandem_engine.config import EngineConfig
+from tandem_engine.core.engine_core import EngineCore
+from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
+from tandem_engine.models import llama
+from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
+from tandem_engine.request import Request
+from tandem_engine.sampling_params import SamplingParams
+
+# Components timed inside the model's forward, then outside it (in the order of the table).
+IN_FORWARD = ["projections", "attention", "kv_write", "norm_residual", "activation", "rope"]
+OUTSIDE = ["lm_head", "sampling"]
+
+
+class Timers:
+    """Seconds and calls per component, charged to the variant being measured (None: not counted)."""
+
+    def __init__(self) -> None:
+        self.variant: str | None = None
+        self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.kv_bytes: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.variant is not None:
+                    self.seconds[self.variant][name] += time.perf_counter() - t0
+        return timed
+
+
+def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) -> None:
+    """Put the timers around every component of `core`'s decode step."""
+    runner, model = core.runner, core.runner.model
+    # Every projection of a layer (dense, packed or quantized) goes through DecoderLayer._project.
+    llama.DecoderLayer._project = timers.wrap("projections", llama.DecoderLayer._project)  # type: ignore[method-assign]
+    llama.apply_rope = timers.wrap("rope", llama.apply_rope)
+    backend = runner.backend
+    kv = runner.kv_pool
+    per_token = 2 * runner.num_kv_heads * runner.head_dim * kv.element_size()  # K and V of one layer
+    attend = timers.wrap("attention", backend.forward)
+
+    def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                  scale: float) -> torch.Tensor:
+        if timers.variant is not None:
+            timers.kv_bytes[timers.variant] += per_token * sum(meta.seq_lens_cpu)
+        out: torch.Tensor = attend(query, k_cache, v_cache, meta, scale)
+        return out
+
+    backend.forward = attention  # type: ignore[method-assign]
+    backend.write_kv = timers.wrap("kv_write", backend.write_kv)  # type: ignore[method-assign]
+    for ops in {id(o): o for o in variants.values()}.values():
+        ops.add_rms_norm = timers.wrap("norm_residual", ops.add_rms_norm)  # type: ignore[method-assign]
+        ops.silu_mul = timers.wrap("activation", ops.silu_mul)  # type: ignore[method-assign]
+    model.forward = timers.wrap("forward", model.forward)  # type: ignore[method-assign]
+    model.compute_logits = timers.wrap("lm_head", model.compute_logits)  # type: ignore[method-assign]
+    runner.sampler = timers.wrap("sampling", runner.sampler)  # type: ignore[assignment]
+
+
+def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
+                 variants: dict[str, FusedOps]) -> dict[str, list[float]]:
+    """Prefill the batch, then time `a.steps` decode steps per variant, alternating; seconds per step."""
+    rng = random.Random(0)
+    max_tokens = 2 + len(variants) * a.steps + 2
+    for i in range(a.batch):
+        prompt = [rng.randrange(100, 40000) for _ in range(a.context)]
+        core.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                 ignore_eos=True), [0]))
+    started: set[str] = set()
+    while len(started) < a.batch:  # prefill, in chunks of max_num_batched_tokens
+        started.update(o.request_id for o in core.step())
+    for _ in range(2):  # warm: the first decode steps build plans and buffers
+        core.step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(len(variants) * a.steps):
+        name = list(variants)[i % len(variants)]
+        core.runner.model.use_fused_ops(variants[name])
+        timers.variant = name
+        t0 = time.perf_counter()
+        outs = core.step()
+        times[name].append(time.perf_counter() - t0)
+        timers.variant = None
+        if sum(len(o.new_token_ids) for o in outs) != a.batch:
+            raise RuntimeError("a timed step did not decode the whole batch: raise --kv-cache-gib")
+    return times
+
+
+def copy_rate(core: EngineCore, nbytes: float) -> float:
+    """GB/s read by a copy of the used region of the KV pool (as many bytes as a step's attention reads,
+    or the whole used region if that is smaller)."""
+    pool = core.runner.kv_pool  # [layers, 2, blocks, block_size, nkv, D]
+    per_block = pool[0, 0, 0].numel() * pool.element_size() * pool.shape[0] * 2
+    blocks = max(1, min(pool.shape[2], int(nbytes // per_block) + 1))
+    src = pool[:, :, :blocks]
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t0)
+    return src.numel() * src.element_size() / statistics.median(ts[1:]) / 1e9
+
+
+def read_rate(nbytes: int = 256 << 20) -> float:
+    """GB/s at which this machine streams a float32 tensor of `nbytes` (far past the caches) into a sum."""
+    x = torch.ones(nbytes // 4)
+    ts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts[1:]) / 1e9
+
+
+def breakdown(timers: Timers, name: str, steps: list[float]) -> dict[str, Any]:
+    """Milliseconds per step of each component, and the Python left over."""
+    n = len(steps)
+    sec = {k: v / n for k, v in timers.seconds[name].items()}
+    step = statistics.mean(steps)
+    comp = {k: sec.get(k, 0.0) for k in IN_FORWARD + OUTSIDE}
+    comp["python_in_forward"] = sec.get("forward", 0.0) - sum(comp[k] for k in IN_FORWARD)
+    comp["python_runner_scheduler"] = step - sec.get("forward", 0.0) - sum(comp[k] for k in OUTSIDE)
+    att = sec.get("attention", 0.0)
+    return {"step_ms_mean": step * 1e3, "step_ms_median": statistics.median(steps) * 1e3,
+            "components_ms": {k: v * 1e3 for k, v in comp.items()},
+            "attention_kv_read_gb_s": timers.kv_bytes[name] / n / att / 1e9 if att else None,
+            "kv_bytes_per_step": timers.kv_bytes[name] / n}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each sequence")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per variant")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return ap.parse_args()
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any]:
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    core = EngineCore(EngineConfig(model=a.model, dtype="float32", kv_cache_gib=a.kv_cache_gib,
+                                   max_model_len=a.context + 64, max_num_seqs=max(64, a.batch),
+                                   max_num_batched_tokens=4096))
+    fused = core.runner.model.ops
+    variants = {"torch": TORCH_OPS, "fused": fused}
+    timers = Timers()
+    instrument(core, timers, variants)
+    times = decode_steps(core, a, timers, variants)
+    res: dict[str, Any] = {"threads": torch.get_num_threads(), "fused_kernels_built": fused.native,
+                           "variants": {name: breakdown(timers, name, ts) for name, ts in times.items()}}
+    kv_bytes = res["variants"]["fused"]["kv_bytes_per_step"]
+    res["kv_copy_gb_s"] = copy_rate(core, kv_bytes)
+    core.shutdown()
+    cfg, _, _ = load_config_and_tokenizer(resolve_model(a.model))
+    gflop = a.batch * flops_per_token(cfg)[1] / 1e9
+    best = max(rate(cfg, a.batch, torch.float32, head=True), rate(cfg, a.batch, torch.float32, True, True))
+    # Every float32 projection weight and the LM head are read once per step (the roofline's rates
+    # re-read one layer from cache), and the attention reads every sequence's K and V.
+    layer, head, n_layers = shapes(cfg)
+    weight_bytes = 4 * (n_layers * sum(o * k for o, k in layer) + head[0] * head[1])
+    stream = read_rate()
+    res["ceiling"] = {"gflop_per_step": gflop, "matmul_gflop_s_at_batch": best,
+                      "step_floor_ms": gflop / best * 1e3, "weight_bytes_per_step": weight_bytes,
+                      "read_gb_s": stream, "memory_floor_ms": (weight_bytes + kv_bytes) / stream / 1e6}
+    for v in res["variants"].values():
+        v["share_of_ceiling"] = res["ceiling"]["step_floor_ms"] / v["step_ms_mean"]
+        v["share_of_memory_floor"] = res["ceiling"]["memory_floor_ms"] / v["step_ms_mean"]
+        v["tok_s"] = a.batch / v["step_ms_mean"] * 1e3
+    return res
+
+
+async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    return measure(a)
+
+
+def table(res: dict[str, Any]) -> str:
+    v, c = res["variants"], res["ceiling"]
+    names = list(v)
+    head = " | ".join(f"{n} ms | {n} %" for n in names)
+    lines = [f"# One decode step at batch {res['config']['batch']}, {res['config']['context']} tokens of context",
+             "", f"1-minute load {res['load_average'][0]:.2f} -> {res['load_average'][1]:.2f}, "
+             f"{res['threads']} threads; ceiling: {c['gflop_per_step']:.2f} GFLOP per step at "
+             f"{c['matmul_gflop_s_at_batch']:.0f} GFLOP/s = {c['step_floor_ms']:.1f} ms; memory floor: "
+             f"{(c['weight_bytes_per_step'] + v[names[0]]['kv_bytes_per_step']) / 1e6:.0f} MB of weights and KV "
+             f"per step at {c['read_gb_s']:.1f} GB/s (a streamed sum) = {c['memory_floor_ms']:.1f} ms", "",
+             f"| component | {head} |", "|---|" + "---:|" * (2 * len(names))]
+    for comp in v[names[0]]["components_ms"]:
+        cells = " | ".join(f"{v[n]['components_ms'][comp]:.2f} | "
+                           f"{100 * v[n]['components_ms'][comp] / v[n]['step_ms_mean']:.1f}" for n in names)
+        lines.append(f"| {comp} | {cells} |")
+    lines.append("| **step (mean)** | " + " | ".join(f"**{v[n]['step_ms_mean']:.2f}** | 100" for n in names) + " |")
+    lines += ["", "| variant | tok/s | share of ceiling | share of memory floor | attention KV read GB/s | "
+              "copy of the same bytes GB/s |", "|---|---:|---:|---:|---:|---:|"]
+    for n in names:
+        gbs = v[n]["attention_kv_read_gb_s"]
+        lines.append(f"| {n} | {v[n]['tok_s']:.1f} | {100 * v[n]['share_of_ceiling']:.1f}% | "
+                     f"{100 * v[n]['share_of_memory_floor']:.1f}% | {gbs or 0:.1f} | {res['kv_copy_gb_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
+
+    v = res["variants"]
+    names = list(v)
+    comps = list(v[names[0]]["components_ms"])
+    fig = Figure(figsize=(9, 3))
+    ax = fig.subplots()
+    left = [0.0] * len(names)
+    for comp in comps:
+        vals = [max(0.0, v[n]["components_ms"][comp]) for n in names]
+        ax.barh(names, vals, left=left, label=comp)
+        left = [lo + x for lo, x in zip(left, vals, strict=True)]
+    ax.axvline(res["ceiling"]["step_floor_ms"], color="k", ls="--", label="fp32 ceiling")
+    ax.axvline(res["ceiling"]["memory_floor_ms"], color="k", ls=":", label="memory floor")
+    ax.set_xlabel("ms per decode step")
+    ax.set_title(f"Batch {res['config']['batch']} decode step (load {res['load_average'][0]:.2f})", fontsize=10)
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    return bench_main("profile_step", parse_args(), run, table, plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

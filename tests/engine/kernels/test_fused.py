@@ -1,0 +1,118 @@
+"""The fused C kernels (kernels/fused.c) against torch's own ops: residual add + RMSNorm, SiLU(gate) * up.
+
+Odd sizes (not a multiple of the kernels' 8-wide partial sums), one row, 33 rows and 257 rows (split
+between threads, not a multiple of them), strided inputs, and dtypes the kernels do not take (which must give
+torch's result exactly, through the fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem_engine.kernels.fused import TORCH_OPS, FusedOps, load_fused_ops
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+
+# (257, 577): enough elements for the kernels to split the rows between threads.
+SHAPES = [(1, 576), (33, 577), (33, 1), (5, 7), (2, 4099), (257, 577)]
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory: pytest.TempPathFactory) -> FusedOps:
+    built = load_fused_ops(tmp_path_factory.mktemp("cache"))
+    assert built.native, "the fused kernels did not build"
+    return built
+
+
+def _inputs(rows: int, n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, n, generator=g).to(dtype)
+    weight = (1 + 0.2 * torch.randn(n, generator=g)).to(dtype)
+    return x, delta, weight
+
+
+@pytest.mark.parametrize(("rows", "n"), SHAPES)
+def test_add_rms_norm_matches_torch(ops: FusedOps, rows: int, n: int) -> None:
+    x, delta, weight = _inputs(rows, n, torch.float32, rows * n)
+    ref_x = x + delta
+    ref = F.rms_norm(ref_x, (n,), weight, 1e-5)
+    got = ops.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x, ref_x), "the residual stream must hold exactly x + delta"
+    # Only the mean of squares is summed in another order (in double): a few float ulps at most.
+    torch.testing.assert_close(got, ref, rtol=3e-7, atol=1e-7)
+
+
+def test_rms_norm_without_add_and_strided_rows(ops: FusedOps) -> None:
+    base, delta, weight = _inputs(9, 2 * 301, torch.float32, 1)
+    x = base[:, :301]  # rows 602 floats apart
+    before = x.clone()
+    got = ops.add_rms_norm(x, None, weight[:301], 1e-6)
+    assert torch.equal(x, before)
+    torch.testing.assert_close(got, F.rms_norm(before, (301,), weight[:301], 1e-6), rtol=3e-7, atol=1e-7)
+    d = delta[:, 1::2]  # a delta with rows 602 floats apart
+    ref = F.rms_norm(before + d, (301,), weight[:301], 1e-6)
+    torch.testing.assert_close(ops.add_rms_norm(x, d, weight[:301], 1e-6), ref, rtol=3e-7, atol=1e-7)
+    assert torch.equal(x, before + d)
+
+
+@pytest.mark.parametrize(("rows", "n"), SHAPES)
+def test_silu_mul_matches_torch(ops: FusedOps, rows: int, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(rows, 2 * n, generator=g) * 4
+    ref = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+    torch.testing.assert_close(ops.silu_mul(gate_up), ref, rtol=4e-7, atol=1e-30)
+
+
+def test_silu_mul_extremes_and_strided_rows(ops: FusedOps) -> None:
+    gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20, -20, 86.9, 87.5, -87.5, -88.5, 89, -89, 100, -100, 1e4,
+                         -1e4, 3e38, -3e38])
+    n = gate.numel()
+    up = torch.linspace(-1, 1, n)  # |up| <= 1: silu(3e38) * up stays finite
+    wide = torch.zeros(2, 3 * n)
+    wide[:, :n], wide[:, n : 2 * n] = gate, up
+    gate_up = wide[:, : 2 * n]  # rows 3n floats apart
+    got = ops.silu_mul(gate_up)
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(got, ref.expand(2, n), rtol=4e-7, atol=1e-30)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_dtypes_fall_back_to_torch(ops: FusedOps, dtype: torch.dtype) -> None:
+    x, delta, weight = _inputs(33, 577, dtype, 3)
+    ref_x = x + delta
+    ref = F.rms_norm(ref_x, (577,), weight, 1e-5)
+    got = ops.add_rms_norm(x, delta, weight, 1e-5)
+    assert got.dtype == dtype and torch.equal(x, ref_x) and torch.equal(got, ref)
+    gate_up = torch.randn(33, 2 * 577).to(dtype)
+    assert torch.equal(ops.silu_mul(gate_up), F.silu(gate_up[:, :577]) * gate_up[:, 577:])
+
+
+def test_torch_ops_are_torch(ops: FusedOps) -> None:
+    x, delta, weight = _inputs(4, 64, torch.float32, 4)
+    ref_x = x + delta
+    assert not TORCH_OPS.native
+    assert torch.equal(TORCH_OPS.add_rms_norm(x, delta, weight, 1e-5), F.rms_norm(ref_x, (64,), weight, 1e-5))
+    assert torch.equal(x, ref_x)
+
+
+def test_build_is_cached_per_directory(tmp_path: Path) -> None:
+    assert load_fused_ops(tmp_path) is load_fused_ops(tmp_path)
+    assert len(list((tmp_path / "kernels").glob("fused_*.so"))) == 1
+
+
+def test_loading_a_kernel_keeps_denormals(ops: FusedOps, tmp_path: Path) -> None:
+    """The attention kernel is compiled with -ffast-math; linking it must not switch this thread to
+    flush-to-zero, or torch's own float32 ops would change."""
+    from tandem_engine.attention.torch_backend import load_kernel
+
+    assert load_kernel(tmp_path) is not None
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal
+    assert (tiny * 0.5).item() != 0.0

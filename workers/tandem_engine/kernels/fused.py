@@ -1,0 +1,81 @@
+"""The decoder's elementwise work between its matmuls, fused: residual add + RMSNorm, and SiLU(gate) * up.
+
+`FusedOps` runs the C kernels of `fused.c` for float32 CPU tensors when they are built, and torch's ops
+otherwise (other dtypes or devices, no compiler, `--no-cpu-fused-kernels`). The torch path is the
+reference: the kernels keep its order of float operations where it is observable, so greedy output is
+unchanged (docs/architecture.md, "CPU kernels").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tandem_engine.kernels.build import BASE_FLAGS, try_build
+
+_SRC = (Path(__file__).parent / "fused.c").read_text()
+
+
+class FusedOps:
+    """Residual add + RMSNorm and SiLU * up; `lib` None: torch's ops only."""
+
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        self._lib = lib
+        if lib is not None:
+            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            lib.tandem_add_rms_norm.argtypes = [p, i64, p, i64, p, p, i64, i64, ctypes.c_float, i32]
+            lib.tandem_add_rms_norm.restype = None
+            lib.tandem_silu_mul.argtypes = [p, i64, p, i64, i64, i32]
+            lib.tandem_silu_mul.restype = None
+
+    @property
+    def native(self) -> bool:
+        """Whether the C kernels are in use (for float32 CPU tensors)."""
+        return self._lib is not None
+
+    def _applies(self, *tensors: torch.Tensor) -> bool:
+        return self._lib is not None and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+            for t in tensors)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x [T, n] += delta [T, n] (in place; None: no add), then rmsnorm(x) * weight [n] -> new [T, n]."""
+        native = self._applies(x, weight.reshape(1, -1)) and weight.numel() == x.shape[1]
+        if not native or (delta is not None and not (self._applies(delta) and delta.shape == x.shape)):
+            if delta is not None:
+                x.add_(delta)
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
+        rows, n = x.shape
+        out = torch.empty(rows, n, dtype=x.dtype)
+        assert self._lib is not None
+        self._lib.tandem_add_rms_norm(
+            x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps,
+            torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2n] (gate | up) -> silu(gate) * up [T, n]."""
+        n = gate_up.shape[-1] // 2
+        if not self._applies(gate_up):
+            return F.silu(gate_up[:, :n]) * gate_up[:, n:]
+        rows = gate_up.shape[0]
+        out = torch.empty(rows, n, dtype=gate_up.dtype)
+        assert self._lib is not None
+        self._lib.tandem_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n,
+                                  torch.get_num_threads())
+        return out
+
+
+TORCH_OPS = FusedOps()
+
+
+@functools.cache  # one per directory
+def load_fused_ops(cache_dir: Path) -> FusedOps:
+    """The C kernels built (once, cached under `cache_dir`/kernels), or torch's ops if they cannot be."""
+    return FusedOps(try_build("fused", _SRC, BASE_FLAGS, cache_dir, "using torch's norm and activation"))
