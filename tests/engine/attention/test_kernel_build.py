@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from tandem_engine.attention import torch_backend
 from tandem_engine.attention.torch_backend import KERNEL_MARCH_ENV, load_kernel
 from tests.engine.attention.test_torch_attention import CASES, run_step
+from tests.engine.utils import read_only
 
 
 def _has(*flags: str) -> bool:
@@ -44,12 +44,9 @@ def test_isa_level_the_cpu_lacks_is_not_loaded(tmp_path: Path, monkeypatch: pyte
 
 
 def test_read_only_cache_dir_builds_under_the_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    read_only, scratch = tmp_path / "baked", tmp_path / "tmp"
-    read_only.mkdir()
-    scratch.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: not Path(p).is_relative_to(read_only) and real_access(p, mode))
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    assert load_kernel.__wrapped__(read_only) is not None
-    assert not list(read_only.iterdir())
+    baked, scratch = tmp_path / "baked", tmp_path / "tmp"
+    baked.mkdir()
+    read_only(monkeypatch, baked, scratch)
+    assert load_kernel.__wrapped__(baked) is not None
+    assert not list(baked.iterdir())
     assert list(scratch.glob(f"tandem-cache-{os.getuid()}/kernels/*.so"))

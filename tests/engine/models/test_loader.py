@@ -17,7 +17,7 @@ import torch
 from tandem_engine.models import loader
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.packed_linear import packing_supported
-from tests.engine.utils import hf_greedy, paged_greedy
+from tests.engine.utils import hf_greedy, paged_greedy, read_only
 
 
 @pytest.fixture(autouse=True)
@@ -186,8 +186,7 @@ def test_complete_cache_is_only_read(first_load: tuple[loader.LoadedModel, int],
         return {str(p.relative_to(cache_dir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in cache_dir.rglob("*")}
 
     before = snapshot()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: not Path(p).is_relative_to(cache_dir) and real_access(p, mode))
+    read_only(monkeypatch, cache_dir)
     src = loader.resolve_model(loader.SMOLLM2_ALIAS, cache_dir)
     assert loader.load_config_and_tokenizer(src)[0].num_hidden_layers == 30
     loader.load_model(src, torch.float32, onednn_pack=False)

@@ -72,7 +72,7 @@ class GGUFFile:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{path}: GGUF architecture {self.architecture!r} is not supported "
                              f"(supported: {', '.join(ARCHITECTURES)})")
-        self._tensors = {}
+        self._tensors: dict[str, Any] = {}  # our name -> the reader's tensor
         for t in reader.tensors:
             name = self._our_name(t.name)
             if name is None:
@@ -101,17 +101,17 @@ class GGUFFile:
         return int(self._arch("attention.head_count_kv", self.num_heads))
 
     def config_fields(self) -> dict[str, Any]:
-        """The LlamaConfig keyword arguments this file's metadata gives (transformers' names)."""
+        """The LlamaConfig keyword arguments this file's metadata gives (transformers' names; the same
+        config transformers' GGUF route makes)."""
         hidden = int(self._arch("embedding_length"))
         tokens = self.metadata.get("tokenizer.ggml.tokens") or []
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self._arch("rope.freq_base", 10000.0))}
         scaling = self._arch("rope.scaling.type", "none")
         if scaling == "linear":
             rope.update(rope_type="linear", factor=float(self._arch("rope.scaling.factor")))
-        elif scaling != "none" or "rope_freqs.weight" in self._tensors:
+        elif scaling != "none":
             raise ValueError(f"{self.path}: RoPE scaling {scaling!r} is not supported (none and linear are)")
         fields: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
             "vocab_size": int(self._arch("vocab_size", len(tokens))),
             "hidden_size": hidden,
             "intermediate_size": int(self._arch("feed_forward_length")),
