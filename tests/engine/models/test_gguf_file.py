@@ -127,15 +127,18 @@ def smollm2() -> GGUFFile:
     return GGUFFile(loader.resolve_model(loader.SMOLLM2_ALIAS).path)
 
 
-def test_tokenizer_matches_transformers_conversion(smollm2: GGUFFile) -> None:
+def test_tokenizer_matches_transformers_conversion(smollm2: GGUFFile, tmp_path: Path) -> None:
+    """Both as a cache holds them: saved, then loaded back as the engine loads them."""
     from transformers import AutoTokenizer
 
     path = smollm2.path
-    ref: Any = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert builds_tokenizer(smollm2.metadata)
-    ours = build_tokenizer(smollm2.metadata)
-    for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
-                 "pad_token_id", "chat_template", "all_special_ids"):
+    build_tokenizer(smollm2.metadata).save_pretrained(tmp_path / "ours")
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path / "ref")
+    ours: Any = AutoTokenizer.from_pretrained(tmp_path / "ours")
+    ref: Any = AutoTokenizer.from_pretrained(tmp_path / "ref")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "special_tokens_map",
+                 "all_special_ids", "chat_template"):
         assert getattr(ours, attr) == getattr(ref, attr), attr
     assert ours.get_vocab() == ref.get_vocab()
     for text in PROMPTS:
@@ -160,8 +163,9 @@ def test_cache_equals_transformers_route(smollm2: GGUFFile, tmp_path: Path) -> N
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                quantization_config=GgufConfig(dequantize=True))
 
-    def plain(c: Any) -> dict[str, Any]:
-        return {k: v for k, v in c.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    def plain(c: Any) -> dict[str, Any]:  # the file's config, without bookkeeping or the loaded dtype
+        return {k: v for k, v in c.to_dict().items()
+                if not k.startswith("_") and k not in ("transformers_version", "dtype")}
 
     assert plain(AutoConfig.from_pretrained(d)) == plain(ref.config)
     state = dict(loader.iter_safetensors(d))
