@@ -3,6 +3,8 @@ on the real SmolLM2 file against transformers' own GGUF conversion (config, toke
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +86,26 @@ def test_tiny_gguf_serves_through_the_loader(tmp_path: Path) -> None:
     assert loaded.model.tie_word_embeddings and loaded.eos_token_ids == [2]
     config, tok, gen = loader.load_config_and_tokenizer(src)
     assert config.num_key_value_heads == 3 and gen.get("eos_token_id") == 2
+    # The engine reads the tokenizer's EOS from its files; the frontend loads the tokenizer.
+    assert loaded.eos_token_ids == loader.eos_token_ids(config, tok, gen)
     assert tok.eos_token == "<|im_end|>" and tok.bos_token == "<|im_start|>"
     ids = tok("the cat<|im_end|>")["input_ids"]
     assert ids[-1] == 2 and tok.decode(ids, skip_special_tokens=True) == "the cat"
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_engine_eos_ids_equal_the_frontends_for_a_vocabulary_eos(tmp_path: Path) -> None:
+    """A model directory whose tokenizer's EOS is an ordinary vocabulary token, not an added one."""
+    src = loader.resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())), tmp_path / "cache")
+    d = shutil.copytree(loader.weights_dir(src), tmp_path / "model")
+    tok_config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tok_config, "eos_token": "Ġthe"}))
+    as_dir = loader.resolve_model(str(d))
+    config, tok, gen = loader.load_config_and_tokenizer(as_dir)
+    want = loader.eos_token_ids(config, tok, gen)
+    assert tok.eos_token == "Ġthe" and len(want) == 2
+    assert loader.load_model(as_dir, torch.float32, onednn_pack=False).eos_token_ids == want
 
 
 def test_read_only_cache_dir_builds_under_the_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ import fcntl
 import glob
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from tandem_engine.config import build_dir, default_cache_dir
 from tandem_engine.models.llama import LlamaForCausalLM
@@ -183,7 +184,9 @@ def _complete(d: Path) -> bool:
 
 def _build_gguf_cache(gguf: Path, out: Path) -> None:
     """Parse the GGUF once and write its config, tokenizer and float32 weights as an HF directory."""
-    # Imported here: a warm start never loads the gguf package.
+    # Imported here: a warm start loads neither the gguf package nor transformers' Llama (seconds).
+    from transformers import LlamaConfig
+
     from tandem_engine.models.gguf_file import GGUFFile
     from tandem_engine.models.gguf_tokenizer import build_tokenizer, builds_tokenizer
 
@@ -196,6 +199,8 @@ def _build_gguf_cache(gguf: Path, out: Path) -> None:
     if builds_tokenizer(f.metadata):
         tokenizer = build_tokenizer(f.metadata)
     else:  # a vocabulary gguf_tokenizer.py does not build: transformers' conversion, this once
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out)
     t1 = time.perf_counter()
@@ -208,10 +213,10 @@ def _build_gguf_cache(gguf: Path, out: Path) -> None:
 
 def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, Any, dict[str, Any]]:
     """Config, tokenizer and generation defaults (for a GGUF, from its cache, built if need be)."""
-    d = weights_dir(src)
-    config = AutoConfig.from_pretrained(d)
-    tokenizer = AutoTokenizer.from_pretrained(d)
-    return config, tokenizer, _generation_config(d, config)
+    from transformers import AutoTokenizer
+
+    config, gen = load_config(src)
+    return config, AutoTokenizer.from_pretrained(weights_dir(src)), gen
 
 
 def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
@@ -234,12 +239,48 @@ def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def eos_token_ids(config: PretrainedConfig, tokenizer: Any, gen: dict[str, Any]) -> list[int]:
+    return _eos_ids(config, tokenizer.eos_token_id, gen)
+
+
+def _eos_ids(config: PretrainedConfig, tokenizer_eos: int | None, gen: dict[str, Any]) -> list[int]:
     ids: list[int] = []
-    for v in (gen.get("eos_token_id"), getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+    for v in (gen.get("eos_token_id"), getattr(config, "eos_token_id", None), tokenizer_eos):
         for i in v if isinstance(v, list) else [v]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def _tokenizer_eos_id(d: Path) -> int | None:
+    """The tokenizer's EOS id, read from its files: an EngineCore needs no tokenizer but this id, and
+    importing transformers' tokenizers and loading one would cost its start seconds. Directories this
+    cannot read (no tokenizer.json, the EOS token elsewhere) load the tokenizer."""
+    try:
+        eos = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        spec = json.loads((d / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        eos = spec = None
+    if isinstance(eos, str) and isinstance(spec, dict):
+        for added in spec.get("added_tokens", []):
+            if added.get("content") == eos:
+                return int(added["id"])
+        from tokenizers import Tokenizer
+
+        found = Tokenizer.from_file(str(d / "tokenizer.json")).token_to_id(eos)
+        if found is not None:
+            return int(found)
+    from transformers import AutoTokenizer
+
+    eos_id = AutoTokenizer.from_pretrained(d).eos_token_id
+    return int(eos_id) if isinstance(eos_id, int) else None
+
+
+def load_config(src: ModelSource) -> tuple[PretrainedConfig, dict[str, Any]]:
+    """Config and generation defaults, without the tokenizer."""
+    d = weights_dir(src)
+    config = AutoConfig.from_pretrained(d)
+    return config, _generation_config(d, config)
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -248,7 +289,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
     `quantization`: what `--quantization` makes of the projections, once, after loading (quantization.py)."""
     t0 = time.perf_counter()
     d = weights_dir(src)
-    config, tokenizer, gen = load_config_and_tokenizer(src)
+    config, gen = load_config(src)
     cls = get_model_class(config)
     with torch.device(device):
         model = cls(config, dtype)
@@ -261,4 +302,4 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         model.prepack(torch.device(device))  # after quantizing: only the dense matmuls left are packed
     logger.info("loaded %s (%s, %s, quantization %s: %.2fs) in %.2fs", src.served_name, cls.__name__, dtype,
                 quantization, tq, time.perf_counter() - t0)
-    return LoadedModel(model, config, dtype, eos_token_ids(config, tokenizer, gen))
+    return LoadedModel(model, config, dtype, _eos_ids(config, _tokenizer_eos_id(d), gen))
