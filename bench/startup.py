@@ -4,8 +4,9 @@
   attention kernel built; every cold trial gets a fresh empty directory;
 - warm: the cache the first cold trial left, complete: nothing is built, only read.
 
-`--trials` of each (median reported), with the phases the server logs ([startup] lines: the cache build,
-the model load, the engine ready, all engines ready). Wants a quiet machine (bench/harness.py records the
+`--trials` of each (median reported), with the CPU seconds the server and its EngineCores spent and the
+phases the server logs ([startup] lines: the cache build, the model load, the engine ready, all engines
+ready). Wants a quiet machine (bench/harness.py records the
 load average); docs/benchmarks.md, "startup.py".
 
     .venv/bin/python bench/startup.py [--trials 3 --model smollm2-135m-instruct --server-args "..."]
@@ -23,7 +24,7 @@ from typing import Any
 
 from harness import MODEL, bench_main
 
-from tandem_router.procs import tandem_child
+from tandem_router.procs import cpu_seconds, engine_pids, tandem_child
 
 # [startup] log lines -> the phase they time (seconds: the first number after "in").
 PHASES = {
@@ -49,11 +50,15 @@ def start_once(a: argparse.Namespace, cache: Path, log: Path) -> dict[str, Any]:
                           log).start()
     try:
         healthy_s = server.wait_healthy(a.timeout, interval=0.05)
+        assert server.proc is not None
+        # CPU seconds the server and its EngineCores spent to get there: what the start costs, less
+        # sensitive to other load than the wall time (on a quiet machine of N cores, wall >= cpu / N).
+        cpu_s = cpu_seconds([server.proc.pid, *engine_pids(server.proc.pid)])
     finally:
         server.stop(60)
     text = server.log()
     phases = {name: float(m.group(1)) for name, rx in PHASES.items() if (m := rx.search(text))}
-    return {"healthy_s": healthy_s, "phases": phases}
+    return {"healthy_s": healthy_s, "cpu_s": cpu_s, "phases": phases}
 
 
 async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -69,6 +74,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         trials["warm"].append(start_once(a, warm_cache, work / f"warm-{i}.log"))
         print(f"warm {i}: {trials['warm'][-1]}", flush=True)
     summary = {kind: {"median_s": statistics.median(t["healthy_s"] for t in ts),
+                      "cpu_median_s": statistics.median(t["cpu_s"] for t in ts),
                       "phases_median_s": {p: statistics.median(t["phases"][p] for t in ts)
                                           for p in PHASES if all(p in t["phases"] for t in ts)}}
                for kind, ts in trials.items()}
@@ -81,13 +87,13 @@ def table(res: dict[str, Any]) -> str:
     load = res["load_average"]
     rows = [f"`{command}` to a healthy /health, {cfg['trials']} trials each, load average {load[0]:.2f} -> "
             f"{load[1]:.2f}.", "",
-            "| start | median s | trials s | " + " | ".join(f"{p} s (median)" for p in PHASES) + " |",
-            "|---|---|---|" + "---|" * len(PHASES)]
+            "| start | median s | trials s | CPU s (median) | " + " | ".join(f"{p} s (median)" for p in PHASES) + " |",
+            "|---|---|---|---|" + "---|" * len(PHASES)]
     for kind, ts in res["trials"].items():
         phases = " | ".join(f"{s[kind]['phases_median_s'][p]:.1f}" if p in s[kind]["phases_median_s"] else "-"
                             for p in PHASES)
         each = ", ".join(f"{t['healthy_s']:.1f}" for t in ts)
-        rows.append(f"| {kind} | {s[kind]['median_s']:.1f} | {each} | {phases} |")
+        rows.append(f"| {kind} | {s[kind]['median_s']:.1f} | {each} | {s[kind]['cpu_median_s']:.1f} | {phases} |")
     return "\n".join(rows) + "\n"
 
 
