@@ -5,7 +5,8 @@
 # The embedded model's cache and the CPU attention kernel are built into the image (the `cache` stage),
 # so a pod starts warm from a read-only /opt/tandem/cache (docs/operations.md, "Start-up and the model
 # cache"). The kernel is built for CPU_KERNEL_MARCH, not for the build machine's CPU: x86-64-v3 (AVX2)
-# runs on the nodes of the last decade; on other nodes the engine uses its torch attention path.
+# runs on the nodes of the last decade; on other nodes the engine uses its torch attention path. For an
+# arm64 image pass --build-arg CPU_KERNEL_MARCH=armv8-a.
 FROM python:3.11-slim AS base
 
 ARG TORCH_VERSION=2.13.0
