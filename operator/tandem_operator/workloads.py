@@ -83,15 +83,15 @@ def _named(items: list[Any]) -> bool:
 
 
 def _engine_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # No cache volume: the image carries the model cache and the CPU attention kernel, read-only; what it
+    # lacks (another GGUF model's cache) the engine builds under /tmp (docs/operations.md).
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "engine-config", "configMap": {"name": config_name(spec.name)}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "cache", "mountPath": "/cache"},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "engine-config", "mountPath": "/etc/tandem", "readOnly": True},
     ]
@@ -110,8 +110,8 @@ def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": "/cache/huggingface"},
-        {"name": "XDG_CACHE_HOME", "value": "/cache"},
+        {"name": "HF_HOME", "value": "/tmp/huggingface"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "TANDEM_SERVED_MODEL_NAME", "value": spec.model.served_name},
         # The engine sizes its thread pool from this when the pod's cgroup quota is not visible to it
         # (os.cpu_count() sees the node). Without a CPU limit Kubernetes passes the node's allocatable.
@@ -138,7 +138,7 @@ def _model_download(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         args += ["--revision", spec.model.revision]
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "HF_HOME", "value": "/tmp/huggingface"},
     ]
     if spec.model.auth_secret_name:
         env.append(
@@ -158,7 +158,6 @@ def _model_download(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
             "volumeMounts": [
                 {"name": "model", "mountPath": MODEL_DIR},
                 {"name": "tmp", "mountPath": "/tmp"},
-                {"name": "cache", "mountPath": "/cache"},
             ],
             "securityContext": container_security_context(),
         }

@@ -1,9 +1,13 @@
-"""Builders for engine tests: tiny HF configs, paged-cache metadata, and a dense attention reference."""
+"""Builders for engine tests: tiny HF configs, paged-cache metadata, a dense attention reference, and a
+read-only cache directory."""
 
 from __future__ import annotations
 
 import math
+import os
 import random
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,3 +160,13 @@ def hf_greedy(hf: Any, prompt: list[int], max_new: int) -> tuple[list[int], list
         eos_token_id=None,
     )
     return res.sequences[0, len(prompt) :].tolist(), [x[0].float() for x in res.logits]
+
+
+def read_only(monkeypatch: Any, root: Path, scratch: Path | None = None) -> None:
+    """Make `root` read-only as `config.build_dir` sees it (os.access: tests may run as root, whom
+    permission bits do not stop), and, given `scratch`, make it the system's temp dir."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not Path(p).is_relative_to(root) and real_access(p, mode))
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+        monkeypatch.setattr(tempfile, "tempdir", str(scratch))

@@ -307,3 +307,22 @@ def test_engine_pods_pass_their_cpu_limit_to_the_engine(role: Component) -> None
     # What the kubelet writes for `limits: {cpu: 1500m}` with that divisor, read as the engine reads it.
     limit = env_limit({CPU_LIMIT_ENV: "1500"})
     assert limit is not None and limit.cpus == 1.5
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS.keys())
+def test_engine_pods_start_from_the_image_cache(variant: str) -> None:
+    """No volume shadows the model cache and kernel baked into the image (its TANDEM_CACHE_DIR,
+    read-only); whatever the engine or a model download may write goes to the /tmp emptyDir."""
+    for child in rendered(VARIANTS[variant]):
+        if child["kind"] != "Deployment" or child["metadata"]["labels"][LABEL_ROLE] == "router":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert {v["name"] for v in pod["volumes"] if "emptyDir" in v} <= {"tmp", "dshm", "model"}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert "TANDEM_CACHE_DIR" not in env
+            for name in ("HOME", "HF_HOME", "XDG_CACHE_HOME"):
+                assert env.get(name, "/tmp").startswith("/tmp"), (container["name"], name)
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            assert "/tmp" in mounts and not mounts["/tmp"].get("readOnly")
+            assert not [p for p in mounts if p.startswith("/opt/tandem") or p == "/cache"]

@@ -7,6 +7,7 @@ environment, where the operator and tests set them.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -31,6 +32,18 @@ CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 def default_cache_dir() -> str:
     """Where dequantized GGUF models and the built CPU attention kernel are kept."""
     return os.environ.get(CACHE_DIR_ENV) or "~/.cache/tandem"
+
+
+def build_dir(cache_dir: Path) -> Path:
+    """Where to build what `cache_dir` lacks: `cache_dir` itself, or, when it is read-only (a cache baked
+    into an image, docs/operations.md), a directory under the system's temp dir. Look-ups try `cache_dir`
+    first, then this."""
+    probe = cache_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if os.access(probe, os.W_OK):
+        return cache_dir
+    return Path(tempfile.gettempdir()) / f"tandem-cache-{os.getuid()}"
 
 
 def _served_model_name_from_env() -> str | None:

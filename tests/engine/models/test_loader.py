@@ -17,7 +17,7 @@ import torch
 from tandem_engine.models import loader
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.packed_linear import packing_supported
-from tests.engine.utils import hf_greedy, paged_greedy
+from tests.engine.utils import hf_greedy, paged_greedy, read_only
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ class _Records(logging.Handler):
 def first_load(cache_dir: Path) -> Iterator[tuple[loader.LoadedModel, int]]:
     """A cold start as `tandem serve` does it: an API-server process reads config and tokenizer while
     this process (the engine) loads the model, both on the same empty cache. Yields the model and how
-    many times the config/tokenizer cache was built across both (the build lock makes it one)."""
+    many times the cache was built across both (the build lock makes it one)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TANDEM_CACHE_DIR", str(cache_dir))
     api_server = subprocess.Popen(
@@ -78,7 +78,7 @@ def first_load(cache_dir: Path) -> Iterator[tuple[loader.LoadedModel, int]]:
         log.setLevel(level)
         api_server.kill()
     assert api_server.returncode == 0 and out.strip() == "llama", err
-    built = "cached config and tokenizer"
+    built = "built the model cache"
     builds = err.count(built) + sum(built in m for m in records.messages)
     yield loaded, builds
     mp.undo()
@@ -115,7 +115,7 @@ def test_gguf_is_cached_and_reloaded_fast(
     first_load: tuple[loader.LoadedModel, int], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loaded, meta_builds = first_load
-    assert meta_builds == 1, "config/tokenizer cache built more than once by concurrent starters"
+    assert meta_builds == 1, "model cache built more than once by concurrent starters"
     assert isinstance(loaded.model, LlamaForCausalLM)
     assert loaded.hf_config.num_hidden_layers == 30 and loaded.model.tie_word_embeddings
     assert loaded.eos_token_ids == [2]
@@ -171,3 +171,24 @@ def test_onednn_pack_off_keeps_plain_weights_only(
     plain = loader.load_model(loader.resolve_model(loader.SMOLLM2_ALIAS, cache_dir), torch.float32,
                               onednn_pack=False)
     assert plain.model.packed_lm_head is None
+
+
+def test_complete_cache_is_only_read(first_load: tuple[loader.LoadedModel, int], cache_dir: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A complete cache (with the kernel, as the worker image bakes it, on a read-only volume) is only
+    read by a start: nothing in it is created or modified."""
+    from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.prepare import prepare
+
+    prepare(loader.SMOLLM2_ALIAS, cache_dir)
+
+    def snapshot() -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(cache_dir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in cache_dir.rglob("*")}
+
+    before = snapshot()
+    read_only(monkeypatch, cache_dir)
+    src = loader.resolve_model(loader.SMOLLM2_ALIAS, cache_dir)
+    assert loader.load_config_and_tokenizer(src)[0].num_hidden_layers == 30
+    loader.load_model(src, torch.float32, onednn_pack=False)
+    assert load_kernel.__wrapped__(cache_dir) is not None
+    assert snapshot() == before

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import default_cache_dir
-from tandem_engine.kernels.build import BASE_FLAGS, try_build
+from tandem_engine.kernels.build import base_flags, try_build
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ _KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @functools.cache  # one attempt per directory
 def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """Build (once per source version, cached under `cache_dir`/kernels) and load the C kernel; None if
-    impossible."""
-    lib = try_build("paged_attention", _KERNEL_SRC, (*BASE_FLAGS, "-ffast-math"), cache_dir,
+    """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
+    `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible."""
+    lib = try_build("paged_attention", _KERNEL_SRC, (*base_flags(), "-ffast-math"), cache_dir,
                     "using the torch SDPA path")
     if lib is None:
         return None

@@ -1,7 +1,10 @@
 """Builds the engine's small C kernels with the system C compiler and loads them through ctypes.
 
 A kernel is built once per source text, compiler flags and CPU (-march=native code must not be reused on
-another CPU, as a shared home or a baked image would), cached as `<cache_dir>/kernels/<name>_<key>.so`.
+another CPU, as a shared home or a baked image would), cached as `<cache_dir>/kernels/<name>_<key>.so`;
+when `cache_dir` is read-only (a cache baked into an image) a missing kernel is built under
+config.build_dir's. `TANDEM_CPU_KERNEL_MARCH=x86-64-v3` builds for a named ISA level instead of this CPU
+(what an image's build does), keyed on the level and loaded only on a CPU with that level's features.
 Compiling and linking are separate steps so that a kernel compiled with -ffast-math is not linked with
 the start-up code that switches the loading thread to flush denormals to zero: loading a kernel never
 changes the numerics of torch's own ops. Kernels are threaded with OpenMP and need `libgomp.so.1`; torch
@@ -20,10 +23,21 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tandem_engine.config import build_dir
+
 logger = logging.getLogger(__name__)
 
-# Every kernel's compile flags start with these: optimised for this CPU, threaded over rows with OpenMP.
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+# Build for a named ISA level (x86-64-v3) instead of this CPU, so that a kernel built into an image runs on
+# every node of that level (docs/operations.md, "Start-up and the model cache").
+KERNEL_MARCH_ENV = "TANDEM_CPU_KERNEL_MARCH"
+# /proc/cpuinfo flags a level needs (a subset that tells the levels apart); other values are trusted.
+_MARCH_CPU_FLAGS = {"x86-64-v2": {"ssse3", "sse4_2", "popcnt"}, "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"}}
+
+
+def base_flags() -> tuple[str, ...]:
+    """Every kernel's compile flags start with these: optimised for this CPU (or the ISA level named by
+    `TANDEM_CPU_KERNEL_MARCH`), threaded over rows with OpenMP."""
+    return ("-O3", f"-march={os.environ.get(KERNEL_MARCH_ENV) or 'native'}", "-fopenmp")
 
 
 def cpu_id() -> str:
@@ -39,11 +53,18 @@ def cpu_id() -> str:
 
 def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
     """Compile `source` (C) with `flags` into `<cache_dir>/kernels/<name>_<key>.so` unless that file
-    exists, and load it. Raises OSError or subprocess.SubprocessError without a compiler or on a failed
-    build."""
-    root = cache_dir / "kernels"
-    key = hashlib.sha256((source + " ".join(flags) + cpu_id()).encode()).hexdigest()[:16]
-    so = root / f"{name}_{key}.so"
+    exists (or the build directory's, for a read-only `cache_dir`), and load it. Raises OSError or
+    subprocess.SubprocessError without a compiler, on a failed build, or for an ISA level this CPU lacks."""
+    march = next((f.removeprefix("-march=") for f in flags if f.startswith("-march=")), "native")
+    missing = _MARCH_CPU_FLAGS.get(march, set()) - set(cpu_id().split())
+    if missing:
+        raise OSError(f"this CPU lacks {' '.join(sorted(missing))} for -march={march}")
+    # -march=native code is keyed on this CPU; a named level on the level.
+    ident = cpu_id() if march == "native" else march
+    key = hashlib.sha256((source + " ".join(flags) + ident).encode()).hexdigest()[:16]
+    so = cache_dir / "kernels" / f"{name}_{key}.so"
+    root = so.parent if so.is_file() else build_dir(cache_dir) / "kernels"
+    so = root / so.name
     if not so.is_file():
         root.mkdir(parents=True, exist_ok=True)
         cc = os.environ.get("CC", "cc")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem_engine.kernels.build import BASE_FLAGS, try_build
+from tandem_engine.kernels.build import base_flags, try_build
 
 _SRC = (Path(__file__).parent / "fused.c").read_text()
 
@@ -78,4 +78,4 @@ TORCH_OPS = FusedOps()
 @functools.cache  # one per directory
 def load_fused_ops(cache_dir: Path) -> FusedOps:
     """The C kernels built (once, cached under `cache_dir`/kernels), or torch's ops if they cannot be."""
-    return FusedOps(try_build("fused", _SRC, BASE_FLAGS, cache_dir, "using torch's norm and activation"))
+    return FusedOps(try_build("fused", _SRC, base_flags(), cache_dir, "using torch's norm and activation"))

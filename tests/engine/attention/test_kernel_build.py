@@ -1,0 +1,53 @@
+"""Where the C attention kernel is built and found: for a named ISA level (the image's build), only on a
+CPU with that level's features, and outside a read-only cache directory."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem_engine.attention.torch_backend import load_kernel
+from tandem_engine.kernels import build
+from tandem_engine.kernels.build import KERNEL_MARCH_ENV
+from tests.engine.attention.test_torch_attention import CASES, run_step
+from tests.engine.utils import read_only
+
+
+def _has(*flags: str) -> bool:
+    return set(flags) <= set(build.cpu_id().split())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not _has("avx2", "fma", "bmi2", "f16c", "movbe"),
+                    reason="needs an x86-64-v3 CPU")
+def test_kernel_built_for_an_isa_level_matches_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
+    out, ref = run_step(*CASES["mixed"], use_kernel=True)  # the backend builds into TANDEM_CACHE_DIR
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    (level,) = (tmp_path / "kernels").glob("*.so")
+    monkeypatch.delenv(KERNEL_MARCH_ENV)
+    assert load_kernel.__wrapped__(tmp_path) is not None
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 2, "the native build must not reuse the level's"
+    assert level.is_file()
+
+
+def test_isa_level_the_cpu_lacks_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
+    monkeypatch.setattr(build, "cpu_id", lambda: "x86_64 flags : fpu sse sse2")
+    assert load_kernel.__wrapped__(tmp_path) is None
+    assert "lacks avx2 bmi2 f16c fma movbe" in caplog.text
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_read_only_cache_dir_builds_under_the_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    baked, scratch = tmp_path / "baked", tmp_path / "tmp"
+    baked.mkdir()
+    read_only(monkeypatch, baked, scratch)
+    assert load_kernel.__wrapped__(baked) is not None
+    assert not list(baked.iterdir())
+    assert list(scratch.glob(f"tandem-cache-{os.getuid()}/kernels/*.so"))
