@@ -104,7 +104,7 @@ def test_quantize_replaces_the_dense_projections() -> None:
     model.prepack(torch.device("cpu"))
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
-    assert sorted(layer.int8) == ["down", "gate_up", "o", "qkv"] and layer.packed == {}
+    assert sorted(layer.quantized) == ["down", "gate_up", "o", "qkv"] and layer.packed == {}
     assert all(w.numel() == 0 for w, _ in layer.projections().values())
     assert sum(p.numel() * p.element_size() for p in model.parameters()) < dense_bytes / 2
     assert model.quantization == "int8" and model.embed_tokens.numel() == 128 * 64  # embeddings stay dense

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +29,7 @@ import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import default_cache_dir
+from tandem_engine.native import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -49,26 +47,9 @@ _KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """Build (once per source version, cached under `cache_dir`/kernels) and load the C kernel; None if
     impossible."""
-    root = cache_dir / "kernels"
     flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
-    # -march=native code must not be reused on another CPU (a shared home or a baked image): key on it.
-    key = hashlib.sha256((_KERNEL_SRC + " ".join(flags) + _cpu_id()).encode()).hexdigest()[:16]
-    so = root / f"paged_attention_{key}.so"
     try:
-        if not so.is_file():
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=root) as tmp:
-                src = Path(tmp) / "k.c"
-                src.write_text(_KERNEL_SRC)
-                cc = os.environ.get("CC", "cc")
-                subprocess.run(
-                    [cc, *flags, str(src), "-o", f"{tmp}/k.so", "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(f"{tmp}/k.so", so)  # atomic: concurrent builders race harmlessly
-        fn = ctypes.CDLL(str(so)).tandem_paged_attention
+        fn = build_library(cache_dir, "paged_attention", _KERNEL_SRC, flags).tandem_paged_attention
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU attention kernel unavailable (%s); using the torch SDPA path", e)
         return None
@@ -76,16 +57,6 @@ def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[nam
     fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
     return fn
-
-
-def _cpu_id() -> str:
-    ident = os.uname().machine
-    try:
-        with open("/proc/cpuinfo") as f:
-            ident += "".join(ln for ln in f if ln.startswith(("model name", "flags")))
-    except OSError:
-        pass
-    return ident
 
 
 @dataclass
