@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem_engine.attention.interface import AttentionMetadata
@@ -156,3 +158,30 @@ def hf_greedy(hf: Any, prompt: list[int], max_new: int) -> tuple[list[int], list
         eos_token_id=None,
     )
     return res.sequences[0, len(prompt) :].tolist(), [x[0].float() for x in res.logits]
+
+
+def prompt_logits(model: LlamaForCausalLM, prompt: torch.Tensor) -> torch.Tensor:
+    """[len(prompt), vocab] logits of one prompt (at most 32 tokens) through a paged cache."""
+    spec, n = model.kv_cache_spec(model.config), prompt.shape[0]
+    caches = kv_caches(spec.num_layers, 16, 4, spec.num_kv_heads, spec.head_dim, torch.float32)
+    meta = make_meta([n], [n], [[5, 2, 7, 1, 9, 3, 11, 4]], 4)  # up to 32 tokens, scattered
+    return model.compute_logits(model(prompt, torch.arange(n), caches, meta, TorchAttentionBackend()))
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]]) -> None:
+    """A GGUF file of `tensors` (GGUF name -> float32 values in torch order and the ggml type to store
+    them as: quantized by the gguf package, as llama.cpp's converter does)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
+
+    w = GGUFWriter(path, arch)
+    for name, (values, qtype) in tensors.items():
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, values.astype(np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, values.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

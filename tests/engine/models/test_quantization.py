@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import pick_dtype
 from tandem_engine.models.quantization import Int8Linear, check_supported
-from tests.engine.utils import kv_caches, make_meta, tiny_config
+from tests.engine.utils import prompt_logits, tiny_config
 
 
 def reference(x: torch.Tensor, layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,14 +63,6 @@ def random_model(family: str, seed: int) -> LlamaForCausalLM:
             r = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.2 * r if "norm" in name else 0.15 * r)
     return model.eval()
-
-
-def prompt_logits(model: LlamaForCausalLM, prompt: torch.Tensor) -> torch.Tensor:
-    """[len(prompt), vocab] logits of one prompt through a paged cache."""
-    spec, n = model.kv_cache_spec(model.config), prompt.shape[0]
-    caches = kv_caches(spec.num_layers, 16, 4, spec.num_kv_heads, spec.head_dim, torch.float32)
-    meta = make_meta([n], [n], [[5, 2, 7, 1, 9, 3, 11, 4]], 4)  # up to 32 tokens, scattered
-    return model.compute_logits(model(prompt, torch.arange(n), caches, meta, TorchAttentionBackend()))
 
 
 # The model's logits may move by this fraction of their RMS. Each int8 projection's output moves by
