@@ -154,6 +154,7 @@ def llama_cpp_speed(a: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
     llm = llama(a, a.input_len + a.output_len + 16, logits_all=False)
     runs = []
     for _ in range(a.requests + 1):  # the first warms up
+        llm.reset()  # else generate() reuses the previous run's evaluated prompt
         t0 = time.perf_counter()
         stamps = []
         for _tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, past any end-of-text
