@@ -36,7 +36,6 @@ from harness import MODEL, bench_main, text
 from quantization import TEXT, next_token_logprobs
 
 from tandem_engine.cpu_budget import plan_threads
-from tandem_engine.models import gguf_linear
 from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import load_config_and_tokenizer, load_model, resolve_model, weights_dir
@@ -177,10 +176,10 @@ def kernel_rows(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for rows in a.kernel_rows:
         for path, threshold in (("kernel", 10**9), ("dense", 0)):
-            gguf_linear.DENSE_FROM_ROWS = threshold  # this process only: force one path
             times = {}
             for name, p in projs.items():
                 assert isinstance(p, GGUFLinear)
+                p.dense_from_rows = threshold  # force one path
                 x = torch.randn(rows, p.in_features)
                 p(x)
                 t0, n = time.perf_counter(), 0

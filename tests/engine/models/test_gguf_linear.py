@@ -51,9 +51,10 @@ def random_weight(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) 
 
 
 def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float32 summation-order error allowed: 3e-5 of sum_k |x_k w_k| (K <= 1536 terms of relative error
-    about 1.2e-7 each, summed in another order than the reference's)."""
-    return 3e-5 * (x.abs() @ w.abs().T) + 1e-7
+    """float32 summation-order error allowed: 1e-6 of sum_k |x_k w_k| (8 float32 epsilons; the kernel sums
+    per block and scales by d, Q4_1 adds m * sum(x) apart, the reference sums d * q + m: measured at most
+    1.5e-7 of it over these shapes, both builds). A wrong block layout errs by the weights themselves."""
+    return 1e-6 * (x.abs() @ w.abs().T) + 1e-7
 
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
@@ -88,7 +89,7 @@ def test_dequantize_equals_the_gguf_package_bit_for_bit(kernel: GGUFKernel, qtyp
 
 def test_the_native_build_runs_avx2_where_the_cpu_has_it(tmp_path: Path) -> None:
     native, portable = load_gguf_kernel(tmp_path), load_gguf_kernel(tmp_path, portable=True)
-    assert native.simd == {"avx2", "fma", "f16c"} <= cpu_flags()
+    assert native.simd == ({"avx2", "fma", "f16c"} <= cpu_flags())
     assert not portable.simd
 
 

@@ -109,18 +109,20 @@ class GGUFLinear:
     """y [rows, out] = x [rows, in] @ W.T + b, W the row-wise concatenation of GGUF-block weights (q|k|v
     or gate|up: the parts may differ in type)."""
 
-    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None, kernel: GGUFKernel) -> None:
-        self.parts = _merge(parts)
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None, kernel: GGUFKernel,
+                 dense_from_rows: int = DENSE_FROM_ROWS) -> None:
         self.in_features = parts[0].cols
         if any(p.cols != self.in_features for p in parts):
             raise ValueError("the parts of a projection must share their input size")
+        self.parts = _merge(parts)
         self.out_features = sum(p.rows for p in self.parts)
         self.bias = bias  # the model's own bias parameter (filled in place at load time) or None
         self.kernel = kernel
+        self.dense_from_rows = dense_from_rows  # from this many rows on: dequantize + torch's matmul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if x.shape[0] >= DENSE_FROM_ROWS:
+        if x.shape[0] >= self.dense_from_rows:
             w = self.kernel.scratch(self.out_features * self.in_features).view(self.out_features, self.in_features)
             start = 0
             for p in self.parts:
