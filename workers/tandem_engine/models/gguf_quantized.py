@@ -17,7 +17,14 @@ from typing import cast
 
 import torch
 
-from tandem_engine.models.gguf_linear import GGUFEmbedding, GGUFKernel, GGUFLinear, QuantizedWeight, load_gguf_kernel
+from tandem_engine.models.gguf_linear import (
+    HEAD_DENSE_FROM_ROWS,
+    GGUFEmbedding,
+    GGUFKernel,
+    GGUFLinear,
+    QuantizedWeight,
+    load_gguf_kernel,
+)
 from tandem_engine.models.gguf_weights import KERNEL_TYPES, GGUFTensor, read_gguf_tensors
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.quantization import check_supported
@@ -61,7 +68,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, cache_dir: Path) ->
     if embed is not None:
         model.set_quantized_embedding(GGUFEmbedding(_weight(embed), kernel))
     if head is not None:
-        model.set_quantized_head(GGUFLinear([_weight(head)], None, kernel))
+        model.set_quantized_head(GGUFLinear([_weight(head)], None, kernel, HEAD_DENSE_FROM_ROWS))
     model.load_weights((t.name, torch.from_numpy(t.data)) for t in tensors if t.qtype not in KERNEL_TYPES)
     model.quantization = "gguf"
     kinds = Counter(t.type_name for t in tensors)
