@@ -3,7 +3,7 @@ it out (q/k rows interleaved per head), and the real SmolLM2 file against transf
 
 The quantized model multiplies by exactly the values a dequantizing loader would produce, so against a
 dense model holding those values its logits differ by float32 summation order only: a few 1e-6 relative,
-not the per cent that quantizing itself costs (which bench/llama_cpp.py measures against llama.cpp).
+not the per cent that quantizing itself costs (which bench/vs_llama_cpp.py measures against llama.cpp).
 """
 
 from __future__ import annotations

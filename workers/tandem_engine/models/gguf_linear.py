@@ -24,7 +24,7 @@ from tandem_engine.native import build_library
 # ggml type id -> (weights per block, bytes per block)
 BLOCKS = {3: (32, 20), 8: (32, 34)}  # Q4_1, Q8_0
 # From this many rows on, dequantize-then-GEMM beats the kernel on SmolLM2's projections (one thread,
-# CPU time: the kernel ahead at 16 rows, even at 24, behind at 32); `bench/llama_cpp.py --parts kernel`
+# CPU time: the kernel ahead at 16 rows, even at 24, behind at 32); `bench/vs_llama_cpp.py --parts kernel`
 # measures it. The head's 49,152 rows cost more to write out: the kernel stays ahead to 32 rows there.
 DENSE_FROM_ROWS = 24
 HEAD_DENSE_FROM_ROWS = 48

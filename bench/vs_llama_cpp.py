@@ -15,11 +15,11 @@ Kernel: the gguf projections' time per call at 1..64 rows, C kernel against dequ
 on SmolLM2's shapes (where models/gguf_linear.py's DENSE_FROM_ROWS comes from).
 
     make bench-deps                              # once: builds llama-cpp-python into .venv (cmake, minutes)
-    .venv/bin/python bench/llama_cpp.py                      # everything, on a quiet machine
-    .venv/bin/python bench/llama_cpp.py --parts quality      # perplexity only; any machine
-    .venv/bin/python bench/llama_cpp.py --smoke              # tiny sizes: checks that it runs
+    .venv/bin/python bench/vs_llama_cpp.py                      # everything, on a quiet machine
+    .venv/bin/python bench/vs_llama_cpp.py --parts quality      # perplexity only; any machine
+    .venv/bin/python bench/vs_llama_cpp.py --smoke              # tiny sizes: checks that it runs
 
-Writes bench/results/llama_cpp.{json,md,png}.
+Writes bench/results/vs_llama_cpp.{json,md,png} (not named llama_cpp.py: that would shadow the library).
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def main() -> int:
     if a.smoke:
         a.ctx, a.stride, a.text_tokens, a.input_len, a.output_len, a.requests = 64, 32, 160, 32, 8, 1
         a.kernel_rows, a.kernel_seconds = [1, 16], 0.05
-    return bench_main("llama_cpp", a, run, table, plot)
+    return bench_main("vs_llama_cpp", a, run, table, plot)
 
 
 if __name__ == "__main__":
