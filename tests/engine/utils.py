@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +187,14 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]]
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count (which the C kernels use too) set to `n` for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -21,6 +21,7 @@ from tandem_engine.models.gguf_linear import (
     load_gguf_kernel,
 )
 from tandem_engine.native import cpu_flags
+from tests.engine.utils import torch_threads
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
@@ -33,10 +34,8 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(autouse=True)
 def two_threads() -> Iterator[None]:
     """The kernel splits output rows over torch's thread count: run every case split."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 def random_weight(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS, GGUFLinear
 from tandem_engine.models.gguf_quantized import load_gguf_quantized
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
-from tests.engine.utils import prompt_logits, tiny_config, write_gguf
+from tests.engine.utils import prompt_logits, tiny_config, torch_threads, write_gguf
 
 F32, Q4_1, Q8_0, Q5_0 = (GGMLQuantizationType.F32, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
                          GGMLQuantizationType.Q5_0)
@@ -32,10 +32,8 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):  # correctness, not speed: no OpenMP barrier stalls on shared cores
+        yield
 
 
 def interleave(w: np.ndarray, n_head: int) -> np.ndarray:
