@@ -46,10 +46,23 @@ TANDEM_MODES = ("none", "gguf", "int8")
 
 
 def llama(a: argparse.Namespace, n_ctx: int, logits_all: bool) -> Any:
+    """llama.cpp on the model's GGUF file. Without --llama-extra-bufts its weights stay in plain CPU
+    buffers: the extra buffer types (AMX tiles on CPUs that list amx_int8) crashed llama.cpp's Q4_1 matmul
+    with a segmentation fault on our VMs, and llama-cpp-python's Llama() has no argument for them."""
     try:
+        import llama_cpp.llama_cpp as lib
         from llama_cpp import Llama
     except ImportError as e:
         raise SystemExit("llama-cpp-python is not installed: run `make bench-deps` first") from e
+    if not a.llama_extra_bufts and not getattr(lib.llama_model_default_params, "plain_buffers", False):
+        default = lib.llama_model_default_params
+
+        def plain() -> Any:
+            params = default()
+            params.use_extra_bufts = False
+            return params
+        plain.plain_buffers = True  # type: ignore[attr-defined]
+        lib.llama_model_default_params = plain
     return Llama(model_path=str(resolve_model(MODEL).path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=a.threads,
                  n_threads_batch=a.threads, logits_all=logits_all, verbose=False)
 
@@ -264,6 +277,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=3, help="single-stream requests per engine, after a warm-up")
     ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     ap.add_argument("--kernel-seconds", type=float, default=1.0, help="timing per projection and path")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="let llama.cpp use its extra weight buffer types (AMX, repacking)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check that everything runs")
     a = ap.parse_args()
     if a.smoke:
