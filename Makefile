@@ -8,10 +8,10 @@ STAMP := $(VENV)/.setup-done
 PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: help setup tools cluster run test bench lint typecheck
+.PHONY: help setup tools cluster run test bench bench-deps lint typecheck
 
 help: ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 setup: $(STAMP) ## create .venv and install everything (CPU PyTorch, the embedded model)
 
@@ -45,6 +45,9 @@ bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/profile_step.py
 	$(PY) bench/migration.py
 	$(PY) bench/overload.py
+
+bench-deps: setup ## build llama-cpp-python into .venv for bench/vs_llama_cpp.py (a cmake build of llama.cpp: minutes)
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" $(PIP) install -q llama-cpp-python==0.3.36
 
 lint: setup ## ruff, and mypy --strict on every package
 	$(VENV)/bin/ruff check operator workers tests bench

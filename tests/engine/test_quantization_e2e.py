@@ -1,6 +1,6 @@
-"""`tandem serve --quantization int8` on the real SmolLM2 weights: it answers, says how it runs, and its
-greedy tokens are the dense model's choice on most positions. (P/D is unchanged by it: the KV cache and
-its transfer are the dense ones.)
+"""`tandem serve --quantization int8` and `--quantization gguf` on the real SmolLM2 weights: each answers,
+says how it runs, and its greedy tokens are the dense model's choice on most positions. (P/D is unchanged
+by either: the KV cache and its transfer are the dense ones.)
 
 Greedy output cannot equal the dense path's token for token (docs/architecture.md, "Quantization"): once
 one near-tie flips, the two continuations part. So the check is teacher-forced: transformers' dense
@@ -41,6 +41,10 @@ MIN_AGREEMENT = 0.8
 # Where int8 picks another token, it is one dense ranks near the top: at most this many nats below
 # dense's own choice (a near-tie, not a different answer); measured at most 0.83.
 MAX_LOGPROB_GAP = 1.5
+# gguf multiplies by the very values transformers dequantizes the file to, in another summation order:
+# only a float32 near-tie can flip, and a flip is a gap of rounding size.
+GGUF_MIN_AGREEMENT = 0.97
+GGUF_MAX_LOGPROB_GAP = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,8 @@ def dense_logprobs(ids: list[int]) -> torch.Tensor:
         return logprobs
 
 
-def assert_mostly_dense_greedy(answers: list[dict[str, Any]], what: str) -> None:
+def assert_mostly_dense_greedy(answers: list[dict[str, Any]], what: str, min_agreement: float = MIN_AGREEMENT,
+                               max_gap: float = MAX_LOGPROB_GAP) -> None:
     agree = total = 0
     gaps: list[float] = []
     for choice in answers:
@@ -92,8 +97,8 @@ def assert_mostly_dense_greedy(answers: list[dict[str, Any]], what: str) -> None
         total += len(out)
         gaps.append(float((lp.max(-1).values - chosen).max()))
     print(f"{what}: {agree}/{total} tokens are dense's greedy choice, largest logprob gaps {gaps}")
-    assert agree / total >= MIN_AGREEMENT
-    assert max(gaps) <= MAX_LOGPROB_GAP
+    assert agree / total >= min_agreement
+    assert max(gaps) <= max_gap
 
 
 def test_int8_answers_are_dense_greedy_on_most_tokens(server: Server) -> None:
@@ -103,3 +108,20 @@ def test_int8_answers_are_dense_greedy_on_most_tokens(server: Server) -> None:
 def test_startup_log_and_metric_say_int8(server: Server) -> None:
     assert server.metric("tandem:model_info", quantization="int8", dtype="float32") == 1.0
     assert "quantization int8" in server.log()
+
+
+@pytest.fixture(scope="module")
+def gguf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with run_server(["--quantization", "gguf", "--max-num-seqs", "4"], tmp_path_factory.mktemp("gguf")) as s:
+        yield s
+
+
+def test_gguf_answers_are_dense_greedy(gguf_server: Server) -> None:
+    assert_mostly_dense_greedy(ask_all(gguf_server.url), "gguf colocated", GGUF_MIN_AGREEMENT, GGUF_MAX_LOGPROB_GAP)
+
+
+def test_startup_log_and_metric_say_gguf(gguf_server: Server) -> None:
+    assert gguf_server.metric("tandem:model_info", quantization="gguf", dtype="float32") == 1.0
+    log = gguf_server.log()
+    assert "quantization gguf" in log
+    assert "--quantization gguf: 61 F32, 210 Q4_1, 1 Q8_0 tensors" in log and "Q8_0 kernel (tied)" in log

@@ -3,13 +3,16 @@ read-only cache directory."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem_engine.attention.interface import AttentionMetadata
@@ -170,3 +173,46 @@ def read_only(monkeypatch: Any, root: Path, scratch: Path | None = None) -> None
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
         monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+
+def prompt_logits(model: LlamaForCausalLM, prompt: torch.Tensor) -> torch.Tensor:
+    """[len(prompt), vocab] logits of one prompt (at most 32 tokens) through a paged cache."""
+    spec, n = model.kv_cache_spec(model.config), prompt.shape[0]
+    caches = kv_caches(spec.num_layers, 16, 4, spec.num_kv_heads, spec.head_dim, torch.float32)
+    meta = make_meta([n], [n], [[5, 2, 7, 1, 9, 3, 11, 4]], 4)  # up to 32 tokens, scattered
+    return model.compute_logits(model(prompt, torch.arange(n), caches, meta, TorchAttentionBackend()))
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]],
+               heads: tuple[int, int] | None = None) -> None:
+    """A GGUF file of `tensors` (GGUF name -> float32 values in torch order and the ggml type to store
+    them as: quantized by the gguf package, as llama.cpp's converter does), with the attention head
+    counts (`heads`: query, key/value) in its metadata."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
+
+    w = GGUFWriter(path, arch)
+    if heads is not None:
+        w.add_head_count(heads[0])
+        w.add_head_count_kv(heads[1])
+    for name, (values, qtype) in tensors.items():
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, values.astype(np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, values.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count (which the C kernels use too) set to `n` for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

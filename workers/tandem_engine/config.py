@@ -22,8 +22,9 @@ KVConnectorName = Literal["NixlConnector"]  # the one connector today; the CRD n
 AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulingPolicy = Literal["fcfs", "priority"]  # vLLM's: arrival order, or (priority, arrival)
 # vLLM's --quantization: none keeps the dense weights; int8 runs the projections as dynamic W8A8 matmuls
-# with float32 activations around them (docs/architecture.md, "Quantization").
-Quantization = Literal["none", "int8"]
+# with float32 activations around them; gguf serves a GGUF file's own Q4_1/Q8_0 blocks through a C kernel
+# (docs/architecture.md, "Quantization" and "GGUF weight-only quantization").
+Quantization = Literal["none", "int8", "gguf"]
 
 SERVED_MODEL_NAME_ENV = "TANDEM_SERVED_MODEL_NAME"  # set by the operator on every engine pod
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
@@ -114,11 +115,12 @@ class EngineConfig:
         return {"block_size": self.block_size, "publishers": publishers}
 
     def quantization_error(self) -> str | None:
-        """Why --quantization cannot work with the other flags, or None. int8 computes in float32
-        (`--dtype auto` becomes float32 there); a GPU is refused by the engine at load time."""
-        if self.quantization == "int8" and self.dtype not in ("auto", "float32"):
-            return (f"--quantization int8 needs float32 activations around its int8 matmuls: use --dtype "
-                    f"float32 or auto, not --dtype {self.dtype}")
+        """Why --quantization cannot work with the other flags, or None. int8 and gguf compute in float32
+        (`--dtype auto` becomes float32 there); a GPU is refused by the engine at load time, and whether
+        --model is a GGUF gguf can serve is checked by `tandem serve` (entrypoints/cli.py)."""
+        if self.quantization in ("int8", "gguf") and self.dtype not in ("auto", "float32"):
+            return (f"--quantization {self.quantization} needs float32 activations around its matmuls: use "
+                    f"--dtype float32 or auto, not --dtype {self.dtype}")
         return None
 
     @property

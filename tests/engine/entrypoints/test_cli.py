@@ -65,6 +65,33 @@ def test_quantization_flag_and_the_dtypes_it_refuses(capsys: pytest.CaptureFixtu
     assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
 
 
+def test_gguf_quantization_refuses_other_dtypes_models_and_tensor_types(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from tests.engine.utils import write_gguf
+
+    assert config_from_args(build_parser().parse_args(["--quantization", "gguf"])).quantization == "gguf"
+    assert EngineConfig(quantization="gguf").quantization_error() is None
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "config.json").write_text("{}")
+    (tmp_path / "st" / "model.safetensors").write_bytes(b"")
+    norm = (np.ones(64, dtype=np.float32), GGMLQuantizationType.F32)
+    write_gguf(tmp_path / "q5.gguf", "llama", {"output_norm.weight": norm, "blk.0.attn_q.weight": (
+        np.zeros((64, 64), dtype=np.float32), GGMLQuantizationType.Q5_0)})
+    for args, message in [
+        (["--dtype", "bfloat16"], "--quantization gguf needs float32 activations around its matmuls: use "
+                                  "--dtype float32 or auto, not --dtype bfloat16"),
+        (["--model", str(tmp_path / "st")], f"--model {tmp_path / 'st'} is not a .gguf file"),
+        (["--model", str(tmp_path / "q5.gguf")], "tensor(s) of other types: blk.0.attn_q.weight (Q5_0)"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(["--quantization", "gguf", *args])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CACHE_DIR", "/var/cache/t")
     monkeypatch.setenv("TANDEM_SERVED_MODEL_NAME", "served")

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import pick_dtype
 from tandem_engine.models.quantization import Int8Linear, check_supported
-from tests.engine.utils import kv_caches, make_meta, tiny_config
+from tests.engine.utils import prompt_logits, tiny_config
 
 
 def reference(x: torch.Tensor, layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,14 +65,6 @@ def random_model(family: str, seed: int) -> LlamaForCausalLM:
     return model.eval()
 
 
-def prompt_logits(model: LlamaForCausalLM, prompt: torch.Tensor) -> torch.Tensor:
-    """[len(prompt), vocab] logits of one prompt through a paged cache."""
-    spec, n = model.kv_cache_spec(model.config), prompt.shape[0]
-    caches = kv_caches(spec.num_layers, 16, 4, spec.num_kv_heads, spec.head_dim, torch.float32)
-    meta = make_meta([n], [n], [[5, 2, 7, 1, 9, 3, 11, 4]], 4)  # up to 32 tokens, scattered
-    return model.compute_logits(model(prompt, torch.arange(n), caches, meta, TorchAttentionBackend()))
-
-
 # The model's logits may move by this fraction of their RMS. Each int8 projection's output moves by
 # ~1% of its RMS (a row rounded to steps of max|x| / 127, ~1/40 of its standard deviation at these
 # widths, errs by step / sqrt(12) per element, and those errors add up in quadrature like the signal);
@@ -104,7 +95,7 @@ def test_quantize_replaces_the_dense_projections() -> None:
     model.prepack(torch.device("cpu"))
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
-    assert sorted(layer.int8) == ["down", "gate_up", "o", "qkv"] and layer.packed == {}
+    assert sorted(layer.quantized) == ["down", "gate_up", "o", "qkv"] and layer.packed == {}
     assert all(w.numel() == 0 for w, _ in layer.projections().values())
     assert sum(p.numel() * p.element_size() for p in model.parameters()) < dense_bytes / 2
     assert model.quantization == "int8" and model.embed_tokens.numel() == 128 * 64  # embeddings stay dense

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: bfloat16 on a GPU or a CPU with native bf16, else float32")
     model.add_argument("--quantization", default=d.quantization, choices=get_args(Quantization),
                        help="none: dense weights; int8: dynamic int8 projections (weights per output "
-                       "channel, activations per token), float32 only")
+                       "channel, activations per token); gguf: the GGUF file's own Q4_1/Q8_0 blocks through "
+                       "a C kernel; both float32 only")
     model.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context length; None: the model's")
     model.add_argument("--cache-dir", default=d.cache_dir,
@@ -211,11 +212,26 @@ def _make_server_class() -> type[uvicorn.Server]:
     return Server
 
 
+def _gguf_error(config: EngineConfig) -> str | None:
+    """Why --model cannot be served with --quantization gguf (not a GGUF, or a tensor type the kernel does
+    not read), or None. Reads the GGUF header only."""
+    from tandem_engine.models.gguf_weights import type_error
+    from tandem_engine.models.loader import resolve_model
+
+    try:
+        src = resolve_model(config.model, config.cache_path)
+    except FileNotFoundError as e:
+        return str(e)
+    if src.kind != "gguf":
+        return f"--quantization gguf serves a GGUF file's own blocks: --model {config.model} is not a .gguf file"
+    return type_error(src.path, f"--model {config.model}")
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    error = config.quantization_error()
+    error = config.quantization_error() or (_gguf_error(config) if config.quantization == "gguf" else None)
     if error:
         parser.error(error)  # exit 2, like any other bad flag
     logging.basicConfig(level=args.log_level.upper(),

@@ -51,6 +51,14 @@ def cpu_id() -> str:
     return ident
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    for line in cpu_id().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
     """Compile `source` (C) with `flags` into `<cache_dir>/kernels/<name>_<key>.so` unless that file
     exists (or the build directory's, for a read-only `cache_dir`), and load it. Raises OSError or

@@ -135,6 +135,10 @@ class GGUFFile:
 
     # --- tensors --------------------------------------------------------------------------------------
 
+    def stored_types(self) -> dict[str, tuple[str, GGMLQuantizationType]]:
+        """Our name -> (the file's name, the type it is stored as), from the header alone."""
+        return {name: (t.name, GGMLQuantizationType(t.tensor_type)) for name, t in self._tensors.items()}
+
     def tensor_names(self) -> list[str]:
         """Our names of every tensor in the file, in file order."""
         return list(self._tensors)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,7 +23,7 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
 from tandem_engine.models.packed_linear import linear, packing_supported
-from tandem_engine.models.quantization import Int8Linear, check_supported
+from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ class DecoderLayer(nn.Module):
         self.k_norm = param(d) if self.qk_norm else None
         # oneDNN-packed copies of the projections, made after loading (`LlamaForCausalLM.prepack`).
         self.packed: dict[str, torch.Tensor | None] = {}
-        # int8 projections replacing the dense ones (`LlamaForCausalLM.quantize`), by projection name.
-        self.int8: dict[str, Int8Linear] = {}
+        # Quantized projections replacing the dense ones (`--quantization`), by projection name.
+        self.quantized: dict[str, QuantizedLinear] = {}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
         """(weight [out, in], bias) of each projection, by name."""
@@ -142,18 +142,23 @@ class DecoderLayer(nn.Module):
 
     def prepack(self) -> None:
         self.packed = {name: packed_linear.pack(w) for name, (w, _) in self.projections().items()
-                       if name not in self.int8}
+                       if name not in self.quantized}
 
     def quantize_int8(self) -> None:
-        """Replace every projection by its int8 form and free the dense weights (their shapes become [0])."""
+        """Replace every projection by its int8 form."""
         for name, (weight, bias) in self.projections().items():
-            self.int8[name] = Int8Linear(weight, bias)
-            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-        self.packed = {}
+            self.set_quantized(name, Int8Linear(weight, bias))
+
+    def set_quantized(self, name: str, layer: QuantizedLinear) -> None:
+        """Run projection `name` through `layer` and free its dense weight (its shape becomes [0])."""
+        weight = self.projections()[name][0]
+        self.quantized[name] = layer
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self.packed.pop(name, None)
 
     def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, in] through projection `name` -> [T, out]: int8 if quantized, else dense."""
-        q = self.int8.get(name)
+        """x [T, in] through projection `name` -> [T, out]: quantized if it is, else dense."""
+        q = self.quantized.get(name)
         return q(x) if q is not None else linear(x, weight, bias, self.packed.get(name))
 
     def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
@@ -253,7 +258,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param((cfg.hidden_size,), dtype)
         self.packed_lm_head: torch.Tensor | None = None
         self.ops = TORCH_OPS  # norms and activation: torch's ops until `use_fused_ops` (kernels/fused.py)
-        self.quantization = "none"  # what `quantize` made of the projections
+        self.quantization = "none"  # what `--quantization` made of the projections
+        # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
+        self.quantized_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.quantized_head: QuantizedLinear | None = None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
@@ -277,7 +285,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], a fresh tensor we may update in place
+        # [T, hidden], a fresh tensor we may update in place
+        if self.quantized_embedding is not None:
+            x = self.quantized_embedding(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         layers = [cast(DecoderLayer, layer) for layer in self.layers]
@@ -291,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden)
         # Tied: from 4 rows on the [vocab, hidden] embedding is as fast or faster; 1-2 rows run ~1.5x faster
         # against the transposed copy.
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
@@ -316,7 +330,19 @@ class LlamaForCausalLM(nn.Module):
             return
         for layer in self.layers:
             cast(DecoderLayer, layer).prepack()
-        self.packed_lm_head = packed_linear.pack(self.lm_head)
+        if self.quantized_head is None:
+            self.packed_lm_head = packed_linear.pack(self.lm_head)
+
+    def set_quantized_embedding(self, embedding: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look tokens up through `embedding` and free the dense table (its shape becomes [0])."""
+        self.quantized_embedding = embedding
+        self.embed_tokens.data = torch.empty(0, dtype=self.dtype, device=self.embed_tokens.device)
+
+    def set_quantized_head(self, head: QuantizedLinear) -> None:
+        """Compute logits through `head` and free the dense head (its shape becomes [0])."""
+        self.quantized_head = head
+        self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
+        self.packed_lm_head = None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

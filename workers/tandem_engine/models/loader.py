@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from tandem_engine.config import build_dir, default_cache_dir
+from tandem_engine.models.gguf_quantized import load_gguf_quantized
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 
@@ -89,9 +90,9 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
 
 
 def pick_dtype(name: str, quantization: str = "none") -> torch.dtype:
-    """'auto' is the fastest dtype this machine runs well (float32 under int8 quantization, which
-    quantizes float32 activations); the rest are taken literally."""
-    if name == "auto" and quantization == "int8":
+    """'auto' is the fastest dtype this machine runs well (float32 under int8 or gguf quantization, whose
+    kernels take float32 activations); the rest are taken literally."""
+    if name == "auto" and quantization in ("int8", "gguf"):
         return torch.float32
     explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in explicit:
@@ -286,17 +287,24 @@ def load_config(src: ModelSource) -> tuple[PretrainedConfig, dict[str, Any]]:
 def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu",
                onednn_pack: bool = True, quantization: str = "none") -> LoadedModel:
     """`onednn_pack`: also keep oneDNN-packed copies of the weights where that is faster (packed_linear).
-    `quantization`: what `--quantization` makes of the projections, once, after loading (quantization.py)."""
+    `quantization`: what `--quantization` makes of the projections, once, after loading (quantization.py);
+    gguf reads the GGUF file's blocks instead of the dense cache (gguf_quantized.py)."""
     t0 = time.perf_counter()
-    d = weights_dir(src)
+    if quantization == "gguf" and src.kind != "gguf":
+        raise ValueError(f"--quantization gguf serves a GGUF file's own blocks; {src.served_name} is not a GGUF")
+    d = weights_dir(src)  # config and tokenizer live in the model cache (with the dense weights)
     config, gen = load_config(src)
     cls = get_model_class(config)
     with torch.device(device):
         model = cls(config, dtype)
-    model.load_weights(iter_safetensors(d))
-    model.eval()
     tq = time.perf_counter()
-    model.quantize(quantization, torch.device(device))
+    if quantization == "gguf":
+        load_gguf_quantized(model, src.path, src.cache_dir)
+    else:
+        model.load_weights(iter_safetensors(d))
+        tq = time.perf_counter()
+        model.quantize(quantization, torch.device(device))
+    model.eval()
     tq = time.perf_counter() - tq
     if onednn_pack:
         model.prepack(torch.device(device))  # after quantizing: only the dense matmuls left are packed

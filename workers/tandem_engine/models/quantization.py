@@ -17,7 +17,15 @@ scales give 17.7 (bench/quantization.py).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class QuantizedLinear(Protocol):
+    """A projection that replaced a dense weight: x [rows, in] float32 -> [rows, out] float32."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Int8Linear:
@@ -48,10 +56,11 @@ class Int8Linear:
 
 
 def check_supported(method: str, dtype: torch.dtype, device: torch.device) -> None:
-    """int8 is a CPU path with float32 activations around it: a ValueError naming the flags otherwise."""
-    if method == "int8" and dtype != torch.float32:
-        raise ValueError(f"--quantization int8 needs float32 activations, not {dtype}: use --dtype float32")
-    if method == "int8" and device.type != "cpu":
-        raise ValueError(f"--quantization int8 runs on the CPU only, not on {device.type}; "
+    """int8 and gguf are CPU paths with float32 activations around them: a ValueError naming the flags
+    otherwise."""
+    if method in ("int8", "gguf") and dtype != torch.float32:
+        raise ValueError(f"--quantization {method} needs float32 activations, not {dtype}: use --dtype float32")
+    if method in ("int8", "gguf") and device.type != "cpu":
+        raise ValueError(f"--quantization {method} runs on the CPU only, not on {device.type}; "
                          "serve this device with --quantization none")
 

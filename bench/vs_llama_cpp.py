@@ -1,0 +1,291 @@
+"""tandem's `--quantization gguf` against llama.cpp on the same GGUF file (SmolLM2-135M-Instruct, Q4_1
+projections and a Q8_0 embedding/head), through PyPI's `llama-cpp-python`.
+
+Quality: perplexity of bench/data/alice_chapter1.txt (chapter I of "Alice's Adventures in Wonderland",
+~2,900 tokens) in windows of --ctx tokens advanced by --stride: each window scores its last `stride`
+tokens given the ones before them (the first window all but its first token). Both read the same token
+ids (the model's own tokenizer), so the numbers differ only by how each computes. Acceptance: tandem gguf
+within 1% of llama.cpp. tandem dense (transformers' dequantization of the same file) is there for scale.
+
+Speed (a quiet machine only, else noise): single-stream decode (one request, --output-len tokens after a
+--input-len-token prompt) and TTFT for tandem dense, tandem gguf, tandem int8 (each a real `tandem serve
+--num-threads T`), transformers' `generate` and llama.cpp, all with T threads.
+
+Kernel: the gguf projections' time per call at 1..64 rows, C kernel against dequantize + torch's matmul,
+on SmolLM2's shapes (where models/gguf_linear.py's DENSE_FROM_ROWS comes from).
+
+    make bench-deps                              # once: builds llama-cpp-python into .venv (cmake, minutes)
+    .venv/bin/python bench/vs_llama_cpp.py                      # everything, on a quiet machine
+    .venv/bin/python bench/vs_llama_cpp.py --parts quality      # perplexity only; any machine
+    .venv/bin/python bench/vs_llama_cpp.py --smoke              # tiny sizes: checks that it runs
+
+Writes bench/results/vs_llama_cpp.{json,md,png} (not named llama_cpp.py: that would shadow the library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from harness import MODEL, bench_main, text
+from quantization import TEXT, next_token_logprobs
+
+from tandem_engine.cpu_budget import plan_threads
+from tandem_engine.models.gguf_linear import GGUFLinear
+from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
+from tandem_engine.models.loader import load_config_and_tokenizer, load_model, resolve_model, weights_dir
+from tandem_router.procs import tandem_child
+
+PARTS = ("quality", "speed", "kernel")
+TANDEM_MODES = ("none", "gguf", "int8")
+
+
+def llama(a: argparse.Namespace, n_ctx: int, logits_all: bool) -> Any:
+    """llama.cpp on the model's GGUF file. Without --llama-extra-bufts its weights stay in plain CPU
+    buffers: the extra buffer types (AMX tiles on CPUs that list amx_int8) crashed llama.cpp's Q4_1 matmul
+    with a segmentation fault on our VMs, and llama-cpp-python's Llama() has no argument for them."""
+    try:
+        import llama_cpp.llama_cpp as lib
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise SystemExit("llama-cpp-python is not installed: run `make bench-deps` first") from e
+    if not a.llama_extra_bufts and not getattr(lib.llama_model_default_params, "plain_buffers", False):
+        default = lib.llama_model_default_params
+
+        def plain() -> Any:
+            params = default()
+            params.use_extra_bufts = False
+            return params
+        plain.plain_buffers = True  # type: ignore[attr-defined]
+        lib.llama_model_default_params = plain
+    return Llama(model_path=str(resolve_model(MODEL).path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=a.threads,
+                 n_threads_batch=a.threads, logits_all=logits_all, verbose=False)
+
+
+def windows(n: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, first scored position) of each window over n tokens: position p is scored as the
+    prediction of token p from tokens start..p-1, each token once."""
+    out, scored = [], 1
+    for start in range(0, n, stride):
+        end = min(start + ctx, n)
+        if end > scored:
+            out.append((start, end, scored))
+            scored = end
+        if end == n:
+            break
+    return out
+
+
+def nll_of_window(logprobs: np.ndarray, window: list[int], start: int, first: int) -> float:
+    """-log p of the window's tokens from absolute position `first` on; the window holds tokens
+    start..start + len(window) - 1, and row r of `logprobs` [len(window), vocab] predicts token start + r + 1."""
+    pos = np.arange(first, start + len(window))
+    return float(-logprobs[pos - 1 - start, np.array(window)[pos - start]].sum())
+
+
+def tandem_perplexity(model: LlamaForCausalLM, ids: list[int], ctx: int, stride: int) -> float:
+    nll = 0.0
+    for s, e, first in windows(len(ids), ctx, stride):
+        lp = torch.cat(list(next_token_logprobs(model, ids[s:e], chunk=ctx))).numpy()
+        nll += nll_of_window(lp, ids[s:e], s, first)
+    return math.exp(nll / (len(ids) - 1))
+
+
+def llama_cpp_perplexity(llm: Any, ids: list[int], ctx: int, stride: int) -> float:
+    nll = 0.0
+    for s, e, first in windows(len(ids), ctx, stride):
+        llm.reset()
+        llm.eval(ids[s:e])
+        logits = torch.from_numpy(np.array(llm.scores[: e - s], dtype=np.float32))
+        nll += nll_of_window(logits.log_softmax(-1).numpy(), ids[s:e], s, first)
+    return math.exp(nll / (len(ids) - 1))
+
+
+def quality(a: argparse.Namespace) -> dict[str, Any]:
+    src = resolve_model(MODEL)
+    ids = load_config_and_tokenizer(src)[1].encode(TEXT.read_text())[: a.text_tokens]
+    torch.set_num_threads(a.threads)
+    res: dict[str, Any] = {"tokens": len(ids), "ctx": a.ctx, "stride": a.stride}
+    for mode in ("gguf", "none"):
+        model = load_model(src, torch.float32, quantization=mode).model
+        res[f"tandem_{mode}"] = tandem_perplexity(model, ids, a.ctx, a.stride)
+        del model
+    res["llama_cpp"] = llama_cpp_perplexity(llama(a, a.ctx, logits_all=True), ids, a.ctx, a.stride)
+    res["gguf_vs_llama_cpp"] = res["tandem_gguf"] / res["llama_cpp"] - 1
+    return res
+
+
+def prompt_ids(a: argparse.Namespace) -> list[int]:
+    tok = load_config_and_tokenizer(resolve_model(MODEL))[1]
+    ids: list[int] = tok.encode(text(a.input_len * 2, seed=0))[: a.input_len]
+    return ids
+
+
+async def tandem_speed(mode: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from tandem_router.bench import bench, build_parser
+
+    server = tandem_child(f"serve-{mode}", "serve", [
+        "--model", MODEL, "--dtype", "float32", "--quantization", mode, "--num-threads", str(a.threads),
+        "--max-num-seqs", "4"], work / f"serve-{mode}.log").start()
+    try:
+        startup = server.wait_healthy(3600)
+        args = build_parser().parse_args([
+            "--url", server.url, "--workload", "random", "--concurrency", "1", "--num-prompts",
+            str(a.requests + 1), "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--seed", "0"])
+        s = (await bench(args))[0]["summary"]
+    finally:
+        server.stop(60)
+    return {"decode_tok_s": 1000 / s["itl_ms"]["p50"], "ttft_ms": s["ttft_ms"]["p50"], "startup_s": startup,
+            "failed": s["failed"]}
+
+
+def transformers_speed(a: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(a.threads)
+    hf = AutoModelForCausalLM.from_pretrained(weights_dir(resolve_model(MODEL)), dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    runs = []
+    for _ in range(a.requests + 1):  # the first warms up
+        t0 = time.perf_counter()
+        hf.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(x, max_new_tokens=a.output_len, min_new_tokens=a.output_len, do_sample=False, pad_token_id=0)
+        runs.append((ttft, (a.output_len - 1) / (time.perf_counter() - t0 - ttft)))
+    return {"ttft_ms": 1000 * float(np.median([r[0] for r in runs[1:]])),
+            "decode_tok_s": float(np.median([r[1] for r in runs[1:]]))}
+
+
+def llama_cpp_speed(a: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
+    llm = llama(a, a.input_len + a.output_len + 16, logits_all=False)
+    runs = []
+    for _ in range(a.requests + 1):  # the first warms up
+        llm.reset()  # else generate() reuses the previous run's evaluated prompt
+        t0 = time.perf_counter()
+        stamps = []
+        for _tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, past any end-of-text
+            stamps.append(time.perf_counter())
+            if len(stamps) == a.output_len:
+                break
+        runs.append((stamps[0] - t0, (len(stamps) - 1) / (stamps[-1] - stamps[0])))
+    return {"ttft_ms": 1000 * float(np.median([r[0] for r in runs[1:]])),
+            "decode_tok_s": float(np.median([r[1] for r in runs[1:]]))}
+
+
+def kernel_rows(a: argparse.Namespace) -> dict[str, Any]:
+    """ms per call of one layer's four projections and the head, kernel vs dequantize + matmul, by rows."""
+    torch.set_num_threads(a.threads)
+    model = load_model(resolve_model(MODEL), torch.float32, quantization="gguf").model
+    layer = model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    projs = {**{n: p for n, p in layer.quantized.items() if isinstance(p, GGUFLinear)},
+             "head": model.quantized_head}
+    out: dict[str, Any] = {}
+    for rows in a.kernel_rows:
+        for path, threshold in (("kernel", 10**9), ("dense", 0)):
+            times = {}
+            for name, p in projs.items():
+                assert isinstance(p, GGUFLinear)
+                p.dense_from_rows = threshold  # force one path
+                x = torch.randn(rows, p.in_features)
+                p(x)
+                t0, n = time.perf_counter(), 0
+                while time.perf_counter() - t0 < a.kernel_seconds:
+                    p(x)
+                    n += 1
+                times[name] = 1000 * (time.perf_counter() - t0) / n
+            out.setdefault(str(rows), {})[path] = times
+    return out
+
+
+async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    res: dict[str, Any] = {"threads": a.threads}
+    if "quality" in a.parts:
+        res["quality"] = quality(a)
+    if "speed" in a.parts:
+        ids = prompt_ids(a)
+        speed = {f"tandem {m}": await tandem_speed(m, a, work) for m in TANDEM_MODES}
+        speed["transformers"] = transformers_speed(a, ids)
+        speed["llama.cpp"] = llama_cpp_speed(a, ids)
+        res["speed"] = speed
+    if "kernel" in a.parts:
+        res["kernel"] = kernel_rows(a)
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    c = res["config"]
+    rows = [f"SmolLM2-135M-Instruct Q4_1 GGUF, {res['threads']} threads; 1-minute load average "
+            f"{res['load_average'][0]:.2f} before, {res['load_average'][1]:.2f} after.", ""]
+    if "quality" in res:
+        q = res["quality"]
+        rows += [f"Perplexity of {q['tokens']} tokens of bench/data/alice_chapter1.txt, windows of {q['ctx']} "
+                 f"tokens advanced by {q['stride']}.", "", "| engine | perplexity |", "|---|---|",
+                 f"| llama.cpp (llama-cpp-python) | {q['llama_cpp']:.3f} |",
+                 f"| tandem --quantization gguf | {q['tandem_gguf']:.3f} ({q['gguf_vs_llama_cpp']:+.2%}) |",
+                 f"| tandem dense (dequantized file) | {q['tandem_none']:.3f} |", ""]
+    if "speed" in res:
+        rows += [f"Single stream: {c['output_len']} tokens after a {c['input_len']}-token prompt, median of "
+                 f"{c['requests']} requests.", "", "| engine | decode tok/s | TTFT (ms) |", "|---|---|---|"]
+        rows += [f"| {n} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} |" for n, r in res["speed"].items()]
+        rows.append("")
+    if "kernel" in res:
+        names = list(next(iter(res["kernel"].values()))["kernel"])
+        rows += ["ms per call, C kernel / dequantize + matmul, by rows:", "",
+                 "| rows | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for r, v in res["kernel"].items():
+            rows.append(f"| {r} | " + " | ".join(f"{v['kernel'][n]:.3f} / {v['dense'][n]:.3f}" for n in names) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    if "speed" in res:
+        names = list(res["speed"])
+        axes[0].bar(names, [res["speed"][n]["decode_tok_s"] for n in names], color="#2a7")
+        axes[0].set_title("single-stream decode tok/s", fontsize=10)
+        axes[0].tick_params(axis="x", labelrotation=20, labelsize=8)
+    if "quality" in res:
+        q = res["quality"]
+        axes[1].bar(["llama.cpp", "tandem gguf", "tandem dense"], [q["llama_cpp"], q["tandem_gguf"], q["tandem_none"]],
+                    color=["#888", "#2a7", "#57a"])
+        axes[1].set_title(f"perplexity, {q['tokens']} tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--threads", type=int, default=plan_threads(1, None).threads, help="for every engine")
+    ap.add_argument("--ctx", type=int, default=512, help="perplexity window (tokens)")
+    ap.add_argument("--stride", type=int, default=256, help="perplexity window advance (tokens)")
+    ap.add_argument("--text-tokens", type=int, default=100_000, help="score at most this many tokens of the text")
+    ap.add_argument("--input-len", type=int, default=256, help="prompt tokens of the speed runs")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens of the speed runs")
+    ap.add_argument("--requests", type=int, default=3, help="single-stream requests per engine, after a warm-up")
+    ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
+    ap.add_argument("--kernel-seconds", type=float, default=1.0, help="timing per projection and path")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="let llama.cpp use its extra weight buffer types (AMX, repacking)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check that everything runs")
+    a = ap.parse_args()
+    if a.smoke:
+        a.ctx, a.stride, a.text_tokens, a.input_len, a.output_len, a.requests = 64, 32, 160, 32, 8, 1
+        a.kernel_rows, a.kernel_seconds = [1, 16], 0.05
+    return bench_main("vs_llama_cpp", a, run, table, plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
