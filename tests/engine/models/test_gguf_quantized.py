@@ -21,24 +21,15 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS, GGUFLinear
 from tandem_engine.models.gguf_quantized import load_gguf_quantized
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
+from tests.engine.models.utils import gguf_name, llama_cpp_layout
 from tests.engine.utils import prompt_logits, tiny_config, torch_threads, write_gguf
 
 F32, Q4_1, Q8_0, Q5_0 = (GGMLQuantizationType.F32, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
                          GGMLQuantizationType.Q5_0)
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     with torch_threads(1):  # correctness, not speed: no OpenMP barrier stalls on shared cores
         yield
-
-
-def interleave(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter's q/k row order: each head's two RoPE halves interleaved row by row."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def tiny_checkpoint(cfg: Any, seed: int) -> dict[str, np.ndarray]:
@@ -56,24 +47,15 @@ def tiny_checkpoint(cfg: Any, seed: int) -> dict[str, np.ndarray]:
             for n, s in out.items()}
 
 
-def gguf_name(name: str) -> str:
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-    if name in globals_:
-        return globals_[name]
-    _, _, n, rest = name.split(".", 3)
-    return f"blk.{n}.{_LAYER[rest.rsplit('.', 1)[0]]}.weight"
-
-
 def write_tiny(path: Path, cfg: Any, ckpt: dict[str, np.ndarray], proj: GGMLQuantizationType,
                embed: GGMLQuantizationType, override: dict[str, GGMLQuantizationType] | None = None) -> None:
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     for name, w in ckpt.items():
         qtype = F32 if w.ndim == 1 else embed if "embed" in name or "lm_head" in name else proj
         if ".q_proj." in name:
-            w = interleave(w, cfg.num_attention_heads)
+            w = llama_cpp_layout(torch.from_numpy(w), cfg.num_attention_heads).numpy()
         elif ".k_proj." in name:
-            w = interleave(w, cfg.num_key_value_heads)
+            w = llama_cpp_layout(torch.from_numpy(w), cfg.num_key_value_heads).numpy()
         tensors[gguf_name(name)] = (w, (override or {}).get(name, qtype))
     write_gguf(path, "llama", tensors, (cfg.num_attention_heads, cfg.num_key_value_heads))
 
