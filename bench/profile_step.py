@@ -96,7 +96,9 @@ def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
                  variants: dict[str, FusedOps]) -> dict[str, list[float]]:
     """Prefill the batch, then time `a.steps` decode steps per variant, alternating; seconds per step."""
     rng = random.Random(0)
-    max_tokens = 2 + len(variants) * a.steps + 2
+    # Requests whose prefill ends early decode while later ones prefill (one token per step, at most
+    # `batch` such steps): budget for them too, so that every timed step decodes the whole batch.
+    max_tokens = 2 + len(variants) * a.steps + 2 + a.batch
     for i in range(a.batch):
         prompt = [rng.randrange(100, 40000) for _ in range(a.context)]
         core.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -116,7 +118,8 @@ def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
         times[name].append(time.perf_counter() - t0)
         timers.variant = None
         if sum(len(o.new_token_ids) for o in outs) != a.batch:
-            raise RuntimeError("a timed step did not decode the whole batch: raise --kv-cache-gib")
+            raise RuntimeError("a timed step did not decode the whole batch (requests ended or were preempted: "
+                               "raise --kv-cache-gib)")
     return times
 
 
