@@ -217,12 +217,23 @@ class Admission:
             return False
         logger.info("request %s: %s, and no decode endpoint is left: held again", request_id, failure)
         waited = self.config.cold_start_timeout
-        while not self.router.decode.healthy():
-            if time.perf_counter() >= arrived + waited:
-                self.router.metrics.rejected.labels("cold_start_timeout").inc()
-                raise NoEndpoint(f"no healthy decode endpoint within {waited:g} s; the engines may be starting",
-                                 503, retry_after=str(COLD_START_RETRY_AFTER))
-            await asyncio.sleep(0.05)
+        # Woken by the pool's next admission, as queued requests are (nothing polls).
+        admitted = asyncio.get_running_loop().create_future()
+
+        def on_change(ep: Endpoint, up: bool) -> None:
+            if up and not admitted.done():
+                admitted.set_result(None)
+
+        listeners = self.router.decode.listeners
+        listeners.append(on_change)
+        try:
+            await asyncio.wait((admitted,), timeout=max(0.0, arrived + waited - time.perf_counter()))
+        finally:
+            listeners.remove(on_change)
+        if not self.router.decode.healthy():
+            self.router.metrics.rejected.labels("cold_start_timeout").inc()
+            raise NoEndpoint(f"no healthy decode endpoint within {waited:g} s; the engines may be starting",
+                             503, retry_after=str(COLD_START_RETRY_AFTER))
         return True
 
     def _push_out(self, priority: int) -> bool:
