@@ -16,7 +16,7 @@ from aiohttp import web
 from tandem_engine.core import kv_events as engine_events
 from tandem_router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventStream, publisher_host
 from tandem_router.kv_index import KVIndex, KVIndexFeed, Publisher
-from tandem_router.procs import free_port
+from tandem_router.procs import free_port, free_port_pair
 
 A0, A1, B0 = Publisher("http://a", 0), Publisher("http://a", 1), Publisher("http://b", 0)
 
@@ -93,7 +93,7 @@ async def run_stream(feed: Feed, ctx: zmq.asyncio.Context) -> asyncio.Task[None]
 
 
 async def test_a_late_subscriber_catches_up_then_follows_live(ctx: zmq.asyncio.Context) -> None:
-    feed = Feed(free_port())
+    feed = Feed(free_port_pair())
     feed.pub.publish(engine_events.KVEventBatch(0.0, "e1", [engine_events.AllBlocksCleared()]))
     feed.pub.publish(stored("e1", [1, 2, 3]))
     feed.pub.publish(removed("e1", [2]))
@@ -108,7 +108,7 @@ async def test_a_late_subscriber_catches_up_then_follows_live(ctx: zmq.asyncio.C
 
 
 async def test_a_subscriber_older_than_the_buffer_rebuilds_from_the_snapshot(ctx: zmq.asyncio.Context) -> None:
-    feed = Feed(free_port(), buffer_steps=3)
+    feed = Feed(free_port_pair(), buffer_steps=3)
     for n in range(20):
         feed.pub.publish(stored("e1", [n]))
     feed.pub.publish(removed("e1", list(range(0, 20, 2))))
@@ -123,7 +123,7 @@ async def test_a_subscriber_older_than_the_buffer_rebuilds_from_the_snapshot(ctx
 async def test_missed_batches_are_replayed(ctx: zmq.asyncio.Context) -> None:
     """Batches the SUB socket dropped (its queue full while the router was busy) leave a gap in the
     sequence numbers; the stream asks the replay socket for them and ends exact."""
-    feed = Feed(free_port())
+    feed = Feed(free_port_pair())
     feed.pub._pub.setsockopt(zmq.SNDHWM, 1)
     task = await run_stream(feed, ctx)
     feed.pub.publish(stored("e1", [0]))
@@ -142,7 +142,7 @@ async def test_missed_batches_are_replayed(ctx: zmq.asyncio.Context) -> None:
 
 
 async def test_a_restarted_engine_replaces_what_the_old_one_held(ctx: zmq.asyncio.Context) -> None:
-    feed = Feed(free_port())
+    feed = Feed(free_port_pair())
     feed.pub.publish(stored("boot-1", [1, 2, 3]))
     task = await run_stream(feed, ctx)
     await feed.settle({1, 2, 3})
@@ -157,7 +157,7 @@ async def test_a_restarted_engine_replaces_what_the_old_one_held(ctx: zmq.asynci
 
 
 async def test_an_engine_that_cannot_replay_has_no_entries_and_is_not_synced(ctx: zmq.asyncio.Context) -> None:
-    feed = Feed(free_port())
+    feed = Feed(free_port_pair())
     feed.pub.publish(stored("e1", [1, 2]))
     task = await run_stream(feed, ctx)
     await feed.settle({1, 2})
@@ -184,7 +184,7 @@ async def test_the_feed_passes_on_each_engines_load_summed_over_its_ranks() -> N
     """An engine with two DP ranks, each a real publisher: once both ranks' batches carried a load, the
     feed reports requests running + waiting summed and KV usage averaged; a rank whose stream resets
     (a restart) makes the engine's load unknown until that rank reports again."""
-    ports = [free_port(), free_port()]
+    ports = [free_port_pair(), free_port_pair()]
     pubs = [engine_events.KVEventPublisher(f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}", 100) for p in ports]
     app = web.Application()
 

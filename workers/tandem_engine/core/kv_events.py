@@ -91,10 +91,14 @@ class KVEventPublisher:
                  heartbeat_s: float = 1.0) -> None:
         self.topic = topic.encode()
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.bind(pub_endpoint)
-        self._replay = self._ctx.socket(zmq.ROUTER)
-        self._replay.bind(replay_endpoint)
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.bind(pub_endpoint)
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._ctx.destroy(linger=0)  # a taken port: no socket or context outlives the error
+            raise
         self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
