@@ -22,7 +22,7 @@ from tests.engine.engine_server import Server, launch
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REQUESTS = 4
-BODY = {"prompt": "Write a long story about a lighthouse keeper and the sea.", "max_tokens": 64,
+BODY = {"prompt": "Write a long story about a lighthouse keeper and the sea.", "max_tokens": 32,
         "ignore_eos": True, "temperature": 0}
 
 

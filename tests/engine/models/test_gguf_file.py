@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from tandem_engine.models import loader
-from tandem_engine.models.gguf_file import GGUFFile
+from tandem_engine.models.gguf_file import GGUFFile, _Header
 from tandem_engine.models.gguf_tokenizer import build_tokenizer, builds_tokenizer
 from tests.engine.models.utils import TINY, tiny_weights, write_tiny_gguf
 from tests.engine.utils import read_only
@@ -64,6 +64,55 @@ def test_raw_quantized_rows_match_dense(tmp_path: Path, qtype: GGMLQuantizationT
         span = weights[name].abs().max().item()
         torch.testing.assert_close(dense, weights[name], atol=tolerance * span, rtol=0)
     assert f.raw("model.norm.weight").qtype == Q.F32
+
+
+def reader_view(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...], np.ndarray]]]:
+    """What the gguf package's GGUFReader reads: metadata as plain values (without its own GGUF.* entries
+    of the header counts), and each tensor's name, type, ggml shape and data view."""
+    r = GGUFReader(path)
+
+    def plain(v: Any) -> Any:
+        return v.item() if isinstance(v, np.generic) else v
+
+    meta = {k: [plain(x) for x in c] if isinstance(c := f.contents(), list) else plain(c)
+            for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return meta, [(t.name, int(t.tensor_type), tuple(t.shape.tolist()), t.data) for t in r.tensors]
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_header_reads_as_the_gguf_package_reads_it(tmp_path: Path, which: str) -> None:
+    """Our one-pass header parser against llama.cpp's reader: every metadata value (types included: str,
+    int, float, bool, lists of them) and every tensor's name, type, shape and bytes."""
+    if which == "tiny":
+        weights = tiny_weights()
+        quantized = dict.fromkeys([n for n in weights if n.endswith("_proj.weight")], Q.Q4_1)
+        path = write_tiny_gguf(tmp_path / "tiny.gguf", weights, quantized)
+    else:
+        path = loader.resolve_model(loader.SMOLLM2_ALIAS).path
+    header = _Header(path)
+    meta, tensors = reader_view(path)
+    assert header.metadata.keys() == meta.keys()
+    for key, want in meta.items():
+        got = header.metadata[key]
+        assert got == want and type(got) is type(want), key
+        if isinstance(want, list) and want:
+            assert type(got[0]) is type(want[0]), key
+    assert len(header.tensors) == len(tensors)
+    for t, (name, qtype, shape, data) in zip(header.tensors, tensors, strict=True):
+        assert (t.name, t.tensor_type, t.shape) == (name, qtype, shape)
+        assert t.data.dtype == data.dtype and t.data.shape == data.shape and np.array_equal(t.data, data), name
+
+
+def test_a_truncated_or_foreign_file_is_refused(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ValueError, match="runs past the end"):
+        GGUFFile(cut)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGML" + path.read_bytes()[4:])
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(other)
 
 
 def test_unsupported_files_are_refused(tmp_path: Path) -> None:
@@ -171,12 +220,13 @@ def test_tokenizer_matches_transformers_conversion(smollm2: GGUFFile, tmp_path: 
             assert ours.apply_chat_template(chat, **kw) == ref.apply_chat_template(chat, **kw)
 
 
-def test_cache_equals_transformers_route(smollm2: GGUFFile, tmp_path: Path) -> None:
-    """Config and every tensor of the new cache are those transformers' GGUF route makes, bit for bit."""
+def test_cache_equals_transformers_route(smollm2: GGUFFile) -> None:
+    """Config and every tensor of the cache the engines load (the default cache dir: built here if no test
+    built it before) are those transformers' GGUF route makes, bit for bit."""
     from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
     path = smollm2.path
-    d = loader.weights_dir(loader.resolve_model(str(path), tmp_path))
+    d = loader.weights_dir(loader.resolve_model(str(path)))
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                quantization_config=GgufConfig(dequantize=True))
 

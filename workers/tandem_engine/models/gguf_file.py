@@ -1,9 +1,11 @@
 """One GGUF file, parsed once: the model config its metadata describes, and its tensors under our names,
 dequantized to float32 or as the file stores them.
 
-Built on llama.cpp's own reader (the `gguf` package): opening the file parses its header (metadata and
-tensor table) once; tensor data stays memory-mapped and is read only when a tensor is asked for. The
-tokenizer the metadata describes is built in gguf_tokenizer.py from `GGUFFile.metadata`.
+Opening the file parses its header (metadata and tensor table) once, here, in one pass over a memory map
+(the `gguf` package's GGUFReader takes ~3 s on SmolLM2's header, most of it wrapping each of its ~100,000
+vocabulary strings in numpy views; this takes a tenth of a second); tensor data stays memory-mapped and is
+read only when a tensor is asked for. The `gguf` package still gives the type table and the dequantizers.
+The tokenizer the metadata describes is built in gguf_tokenizer.py from `GGUFFile.metadata`.
 
 Tensor names are our model's (HF Llama's: `model.layers.3.self_attn.q_proj.weight`). llama.cpp stores
 the rows of q_proj and k_proj permuted per head for its RoPE layout (the two halves of each head
@@ -14,7 +16,9 @@ See docs/architecture.md, "Start-up and the model cache".
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 ARCHITECTURES = ("llama",)  # what models/llama.py runs
 
@@ -53,9 +57,92 @@ class RawTensor:
     data: torch.Tensor  # uint8 [rows, bytes per row] for quantized types; the stored values otherwise
 
 
-def _scalar(value: Any) -> Any:
-    """numpy scalars (the reader's) as Python ones, so configs serialise to plain JSON."""
-    return value.item() if isinstance(value, np.generic) else value
+# GGUF metadata value types (the spec's gguf_metadata_value_type) -> struct format of one scalar.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+          12: "<f8"}
+_STRING, _ARRAY = 8, 9
+_FLOAT_ITEMS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str  # the file's
+    tensor_type: int  # ggml type id
+    shape: tuple[int, ...]  # ggml order: the fastest-moving dimension first
+    data: np.ndarray  # read-only view of the map: uint8 [..., bytes per row] when quantized, else typed
+
+
+class _Header:
+    """One pass over a GGUF file's header (format version 2 or 3): metadata as plain Python values (arrays
+    as lists), the tensor table, and where tensor data starts."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.buf = memoryview(self.map)
+        self.pos = 0
+        magic, version = self._unpack("<4sI")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path}: not a GGUF file of version 2 or 3 (magic {magic!r}, version {version})")
+        n_tensors, n_kv = self._unpack("<QQ")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            (vtype,) = self._unpack("<I")
+            self.metadata[key] = self._value(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            (n_dims,) = self._unpack("<I")
+            dims = self._unpack(f"<{n_dims}Q")
+            qtype, offset = self._unpack("<IQ")
+            infos.append((name, dims, qtype, offset))
+        align = int(self.metadata.get("general.alignment", 32))
+        start = -(-self.pos // align) * align
+        data = np.frombuffer(self.map, dtype=np.uint8)
+        self.tensors = []
+        for name, dims, qtype, offset in infos:
+            ggml = GGMLQuantizationType(qtype)
+            n = int(np.prod(dims))
+            per, nbytes = GGML_QUANT_SIZES[ggml]
+            np_shape = tuple(reversed(dims))
+            raw = data[start + offset : start + offset + n * nbytes // per]
+            if len(raw) != n * nbytes // per:
+                raise ValueError(f"{path}: tensor {name} runs past the end of the file")
+            if ggml in _FLOAT_ITEMS:
+                view = raw.view(_FLOAT_ITEMS[ggml]).reshape(np_shape)
+            else:
+                view = raw.reshape(quant_shape_to_byte_shape(np_shape, ggml))
+            self.tensors.append(_TensorInfo(name, qtype, tuple(dims), view))
+
+    def _unpack(self, fmt: str) -> tuple[Any, ...]:
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self.buf, self.pos)
+        start = self.pos + 8
+        self.pos = start + n
+        return str(self.buf[start : self.pos], "utf-8")
+
+    def _value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self._string()
+        if vtype == _ARRAY:
+            etype, count = self._unpack("<IQ")
+            if etype == _STRING:
+                return [self._string() for _ in range(count)]
+            if etype in _NUMPY:  # numbers in one read; bools as bools
+                dtype = np.dtype(_NUMPY[etype])
+                values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+                self.pos += count * dtype.itemsize
+                return [bool(v) for v in values] if etype == 7 else values.tolist()
+            return [self._value(etype) for _ in range(count)]  # arrays of arrays
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown GGUF metadata value type {vtype}")
+        return self._unpack(_SCALARS[vtype])[0]
 
 
 class GGUFFile:
@@ -63,17 +150,14 @@ class GGUFFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        reader = GGUFReader(path)
-        self.metadata: dict[str, Any] = {}
-        for key, fld in reader.fields.items():
-            value = fld.contents()
-            self.metadata[key] = [_scalar(v) for v in value] if isinstance(value, list) else _scalar(value)
+        header = _Header(path)
+        self.metadata: dict[str, Any] = header.metadata
         self.architecture = str(self.metadata.get("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{path}: GGUF architecture {self.architecture!r} is not supported "
                              f"(supported: {', '.join(ARCHITECTURES)})")
-        self._tensors: dict[str, Any] = {}  # our name -> the reader's tensor
-        for t in reader.tensors:
+        self._tensors: dict[str, _TensorInfo] = {}  # our name -> the file's tensor
+        for t in header.tensors:
             name = self._our_name(t.name)
             if name is None:
                 raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
@@ -158,7 +242,7 @@ class GGUFFile:
     def raw(self, name: str) -> RawTensor:
         """Tensor `name` (ours) as stored: quantized blocks stay quantized (rows reordered as `dense`'s)."""
         t = self._tensor(name)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists the fastest dimension first
+        shape = tuple(reversed(t.shape))  # ggml lists the fastest dimension first
         data = torch.from_numpy(np.array(t.data, copy=True))  # off the read-only map: torch wants it writable
         order = self._row_order(name, shape[0])
         if order is not None:
@@ -168,8 +252,8 @@ class GGUFFile:
     def dense(self, name: str) -> torch.Tensor:
         """Tensor `name` (ours) dequantized to float32, rows in HF order."""
         t = self._tensor(name)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
+        shape = tuple(reversed(t.shape))
+        values = np.array(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32, copy=True)
         out = torch.from_numpy(values).reshape(shape)
         order = self._row_order(name, shape[0])
         return out if order is None else out[order].contiguous()
@@ -178,7 +262,7 @@ class GGUFFile:
         for name in self._tensors:
             yield name, self.dense(name)
 
-    def _tensor(self, name: str) -> Any:
+    def _tensor(self, name: str) -> _TensorInfo:
         try:
             return self._tensors[name]
         except KeyError:
