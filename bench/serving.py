@@ -87,6 +87,7 @@ def main() -> None:
 
     from roofline import measure as roofline
 
+    load_start = os.getloadavg()[0]  # the 1-minute load before anything of this run (quiet: under 0.5)
     ceiling = roofline(a.concurrency, a.input_len, a.output_len)  # before anything else runs
     print(json.dumps(ceiling, indent=1), flush=True)
     extra = ["--dtype", a.dtype, "--max-num-seqs", str(max(a.concurrency, 32)), *a.server_args.split()]
@@ -115,6 +116,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "processor": platform.processor()},
         "config": vars(a) | {"server_flags": extra},
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "server_startup_s": startup_s,
         "tandem": serving,
         "transformers": hf,
@@ -133,7 +135,9 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
         "",
         f"{r['config']['num_prompts']} streamed requests, concurrency {r['config']['concurrency']}, "
         f"~{r['config']['input_len']} prompt tokens, {r['config']['output_len']} output tokens (ignore_eos), "
-        f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py`.",
+        f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py`."
+        + (f" 1-minute load average {r['load_average']['start']:.2f} before the run, "
+           f"{r['load_average']['end']:.2f} after." if "load_average" in r else ""),
         "",
         "| system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
         "|---|---|---|---|",
