@@ -16,6 +16,7 @@ import pytest
 from tests.engine.engine_server import MODEL, launch
 
 from tandem_engine.core import kv_events as engine_events
+from tandem_router import router as router_module
 from tandem_router.kv_events import BlockRemoved, decode_batch
 from tandem_router.kv_index import KVIndex, Publisher
 from tandem_router.procs import free_port, free_port_pair
@@ -70,7 +71,7 @@ async def load_follows_the_engine(rt, url: str) -> None:
 
 
 async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarted_engine(
-        router, tmp_path: Path) -> None:
+        router, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     events_port, http_port = free_port_pair(), free_port()
     args = ["--kv-events-port", str(events_port), "--block-size", str(BS), "--num-kv-blocks", "40",
             "--max-model-len", "320"]
@@ -95,6 +96,8 @@ async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarte
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0.0}
                 held, _ = await caught_up(stream, replay_endpoint)
                 assert rt.kv_index.held(Publisher(engine.url, 0)) == held, f"request {i}: index != engine"
+                # Every other prompt tokenized in a thread, as long prompts are (the rest on the event loop).
+                monkeypatch.setattr(router_module, "INLINE_TOKENIZE_CHARS", 0 if i % 2 else 1 << 20)
                 rreq = await rt.routing_request(parse_request("completions", json.dumps(body).encode()), None)
                 view = rt.prefix_view(rt.decode, rt.decode.healthy(), rreq)
                 assert view.exact
