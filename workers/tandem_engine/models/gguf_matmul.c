@@ -208,19 +208,66 @@ typedef struct {
     float *s;   /* [m, nb] s_x = d_x * sum(q_x) */
 } xq8;
 
+#if SIMD
+/* 32 values of x to int8: roundf(v / d) as trunc(q), + sign(q) where |q - trunc(q)| >= 0.5 (exact: the
+ * difference is); returns the sum of the q. */
+static inline int quantize_block(const float *v, float d, int8_t *q) {
+    const __m256 dv = _mm256_set1_ps(d), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256 f = _mm256_div_ps(_mm256_loadu_ps(v + 8 * j), dv);
+        const __m256 t = _mm256_round_ps(f, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(f, t)), half, _CMP_GE_OQ);
+        const __m256 step = _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(f, sign), one));
+        const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, step), _mm256_set1_ps(-127.f)),
+                                       _mm256_set1_ps(127.f)); /* only a subnormal d gets past 127 */
+        i[j] = _mm256_cvttps_epi32(r);
+    }
+    /* packs interleave 128-bit lanes: 4-byte groups come out as i0[0..3] i1[0..3] i2[0..3] i3[0..3]
+     * i0[4..7] ...; the permutation puts them back in order. */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+static inline float block_amax(const float *v) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
+    for (int j = 1; j < 4; j++) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+#else
+static inline int quantize_block(const float *v, float d, int8_t *q) {
+    int sum = 0;
+    for (int j = 0; j < QK; j++) sum += q[j] = (int8_t)fminf(fmaxf(roundf(v[j] / d), -127.f), 127.f);
+    return sum;
+}
+
+static inline float block_amax(const float *v) {
+    float amax = 0.f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    return amax;
+}
+#endif
+
 static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t nb, xq8 *xq) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * ldx + b * QK;
             int8_t *q = xq->q + (r * nb + b) * QK;
-            float amax = 0.f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-            const float d = amax / 127.f;
+            const float d = block_amax(v) / 127.f;
             int sum = 0;
-            for (int j = 0; j < QK; j++) {
-                q[j] = d > 0.f ? (int8_t)roundf(v[j] / d) : 0;
-                sum += q[j];
-            }
+            if (d > 0.f)
+                sum = quantize_block(v, d, q);
+            else
+                memset(q, 0, QK);
             xq->d[r * nb + b] = d;
             xq->s[r * nb + b] = d * (float)sum;
         }
@@ -232,6 +279,12 @@ static inline float hsum8(const float a[8]) {
     return (s0 + s2) + (s1 + s3);
 }
 
+/* Rows r < mr of the quantized x against one weight row: out[r] = the sum over blocks of d_w d_x sum(q_w q_x),
+ * mins[r] = the sum of m_w s_x (Q4_1). For a few rows (mr <= SPLIT_ROWS) the blocks alternate between two
+ * sets of accumulators (even blocks, odd blocks; added at the end), so that consecutive blocks' fmas do not
+ * wait on each other; with more rows the rows give that parallelism. mr is a constant at every call site. */
+#define SPLIT_ROWS 4
+
 #if SIMD
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if VNNI
@@ -241,58 +294,70 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* out[r] = sum over blocks of d_w d_x sum(q_w q_x) for rows r < mr of the quantized x (their first block
- * at xq + r * nb); mins[r] = sum of m_w s_x for Q4_1. mr is a constant at every call site. */
+/* One block b of the weight row into acc[r], mins[r]. */
+static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, int qtype, int64_t b, int64_t nb,
+                                                           const int8_t *q, const float *d, const float *s,
+                                                           const int mr, __m256 *acc, float *mins) {
+    if (qtype == Q4_1) {
+        const __m128i mask = _mm_set1_epi8(15), raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m256i wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+        int32_t dm_bits;
+        memcpy(&dm_bits, blk, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)); /* d_w, m_w */
+        const __m256 dw = _mm256_broadcastss_ps(dm);
+        const float mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        for (int r = 0; r < mr; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+            acc[r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(dw, _mm256_broadcast_ss(d + r * nb + b)), acc[r]);
+            mins[r] += mw * s[r * nb + b];
+        }
+    } else {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), wu = _mm256_abs_epi8(w);
+        const __m256 dw = _mm256_set1_ps(fp16(blk));
+        for (int r = 0; r < mr; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, _mm256_sign_epi8(xv, w)));
+            acc[r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(dw, _mm256_broadcast_ss(d + r * nb + b)), acc[r]);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb,
                                                               const int8_t *q, const float *d, const float *s,
                                                               const int mr, float *out, float *mins) {
     const int64_t bb = block_bytes(qtype);
-    __m256 acc[TILE];
-    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
-    if (qtype == Q4_1) {
-        const __m128i mask = _mm_set1_epi8(15);
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
-            const __m256i wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-            const float dw = fp16(blk), mw = fp16(blk + 2);
-            for (int r = 0; r < mr; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
-                const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
-                acc[r] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(dw * d[r * nb + b]), acc[r]);
-                mins[r] += mw * s[r * nb + b];
-            }
+    __m256 acc0[TILE], acc1[TILE];
+    float m0[TILE], m1[TILE];
+    for (int r = 0; r < mr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps(), m0[r] = m1[r] = 0.f;
+    int64_t b = 0;
+    if (mr <= SPLIT_ROWS)
+        for (; b + 1 < nb; b += 2) {
+            block_q8(row + b * bb, qtype, b, nb, q, d, s, mr, acc0, m0);
+            block_q8(row + (b + 1) * bb, qtype, b + 1, nb, q, d, s, mr, acc1, m1);
         }
-    } else {
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), wu = _mm256_abs_epi8(w);
-            const float dw = fp16(blk);
-            for (int r = 0; r < mr; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
-                const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, _mm256_sign_epi8(xv, w)));
-                acc[r] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(dw * d[r * nb + b]), acc[r]);
-            }
-        }
-    }
+    for (; b < nb; b++) block_q8(row + b * bb, qtype, b, nb, q, d, s, mr, acc0, m0);
     for (int r = 0; r < mr; r++) {
         float a[8];
-        _mm256_storeu_ps(a, acc[r]);
+        _mm256_storeu_ps(a, mr <= SPLIT_ROWS ? _mm256_add_ps(acc0[r], acc1[r]) : acc0[r]);
         out[r] = hsum8(a);
+        mins[r] = mr <= SPLIT_ROWS ? m0[r] + m1[r] : m0[r];
     }
 }
 #else
 static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t *q, const float *d,
                                const float *s, const int mr, float *out, float *mins) {
     const int64_t bb = block_bytes(qtype);
-    float acc[TILE][8];
+    float acc[2][TILE][8], mn[2][TILE];
     int qw[QK];
-    for (int r = 0; r < mr; r++) {
-        mins[r] = 0.f;
-        for (int l = 0; l < 8; l++) acc[r][l] = 0.f;
-    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < mr; r++) {
+            mn[h][r] = 0.f;
+            for (int l = 0; l < 8; l++) acc[h][r][l] = 0.f;
+        }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
+        const int h = mr <= SPLIT_ROWS && (b & 1); /* odd blocks go to the second set when split */
         if (qtype == Q8_0)
             for (int j = 0; j < QK; j++) qw[j] = (int8_t)blk[2 + j];
         else
@@ -304,12 +369,17 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
             for (int l = 0; l < 8; l++) {
                 int sum = 0;
                 for (int j = 4 * l; j < 4 * l + 4; j++) sum += qw[j] * xq[j];
-                acc[r][l] = fmaf((float)sum, dd, acc[r][l]);
+                acc[h][r][l] = fmaf((float)sum, dd, acc[h][r][l]);
             }
-            if (qtype == Q4_1) mins[r] += mw * s[r * nb + b];
+            if (qtype == Q4_1) mn[h][r] += mw * s[r * nb + b];
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < mr; r++) {
+        float a[8];
+        for (int l = 0; l < 8; l++) a[l] = mr <= SPLIT_ROWS ? acc[0][r][l] + acc[1][r][l] : acc[0][r][l];
+        out[r] = hsum8(a);
+        mins[r] = mr <= SPLIT_ROWS ? mn[0][r] + mn[1][r] : mn[0][r];
+    }
 }
 #endif
 
