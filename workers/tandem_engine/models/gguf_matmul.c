@@ -187,9 +187,10 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
  *   Q8_0:  y += d_w * d_x * sum(q_w q_x)
  *   Q4_1:  y += d_w * d_x * sum(q_w q_x) + m_w * s_x       (q_w the unsigned nibbles 0..15)
  * The integer sum of a block is taken in 8 lanes of 4 products each (bytes 4l..4l+3 in lane l), each lane
- * converted to float and accumulated as fma(lane, d_w * d_x, acc_l) over the blocks; the 8 lanes are
- * added at the end in one fixed order (hsum8), Q4_1's m_w * s_x terms in a scalar sum beside them. The
- * SIMD paths and the portable one follow exactly these steps, so every build gives the same floats:
+ * converted to float and accumulated as fma(lane, d_w * d_x, acc_l) over the blocks (for up to SPLIT_ROWS
+ * rows, even and odd blocks in two sets added at the end); the 8 lanes are added at the end in one fixed
+ * order (hsum8), Q4_1's m_w * s_x terms in a scalar sum beside them. The SIMD paths and the portable one
+ * follow exactly these steps, so every build gives the same floats (and so does any thread count):
  *   AVX-512 VNNI (+VL):  _mm256_dpbusd_epi32, 32 u8 x s8 products summed into 8 int32 lanes at once;
  *   AVX2:                _mm256_maddubs_epi16 (pairs into int16: at most 2 * 128 * 127, no saturation)
  *                        then _mm256_madd_epi16 by ones (pairs of pairs into int32): the same 8 lanes.
