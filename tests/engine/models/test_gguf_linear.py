@@ -155,6 +155,19 @@ def test_int8_matmul_is_the_same_floats_in_every_build(tmp_path: Path) -> None:
             assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
+def test_int8_matmul_turns_a_nan_or_infinite_x_row_into_nans(kernel: GGUFKernel) -> None:
+    """No 8-bit value can stand for them: that row's outputs are NaN (the float path's are NaN or
+    infinite), the other rows as without them."""
+    w, _ = random_weight(19, 96, Q4_1, seed=13)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4))
+    want = torch.empty(4, 19)
+    kernel.matmul_q8(x, w, want)
+    x[1, 40], x[2, 95] = float("nan"), float("-inf")
+    y = torch.empty(4, 19)
+    kernel.matmul_q8(x, w, y)
+    assert y[1:3].isnan().all() and torch.equal(y[[0, 3]], want[[0, 3]])
+
+
 def float_x(x: torch.Tensor) -> torch.Tensor:
     return x
 

@@ -17,6 +17,7 @@
  * Built twice from this one file: with -march=native (the AVX2/FMA/F16C path below when the CPU has them,
  * VNNI too where it has AVX-512 VNNI/VL) and without (the portable scalar path), which the tests check
  * against each other and a reference. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -182,7 +183,8 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
 /* --- 8-bit activations: integer dot products (tandem_gguf_matmul_q8) ----------------------------------
  *
  * Each row of x is quantized once per call, per block of 32 like the weights: d_x = max|x| / 127,
- * q_x = roundf(x / d_x) (an all-zero block: d_x = 0, q_x = 0), s_x = d_x * sum(q_x). Per weight block
+ * q_x = roundf(x / d_x) (an all-zero block: d_x = 0, q_x = 0; one holding a NaN or infinity: d_x = NaN,
+ * which makes the row's outputs NaN), s_x = d_x * sum(q_x). Per weight block
  * the sum of q_w * q_x is an exact integer, so
  *   Q8_0:  y += d_w * d_x * sum(q_w q_x)
  *   Q4_1:  y += d_w * d_x * sum(q_w q_x) + m_w * s_x       (q_w the unsigned nibbles 0..15)
@@ -236,10 +238,16 @@ static inline int quantize_block(const float *v, float d, int8_t *q) {
     return _mm_cvtsi128_si32(s4);
 }
 
+/* max |v| of a block, NaN when it holds a NaN. */
 static inline float block_amax(const float *v) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
-    for (int j = 1; j < 4; j++) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j)));
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v)), nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+    for (int j = 1; j < 4; j++) {
+        const __m256 vj = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j));
+        a = _mm256_max_ps(a, vj);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(vj, vj, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
@@ -253,7 +261,10 @@ static inline int quantize_block(const float *v, float d, int8_t *q) {
 
 static inline float block_amax(const float *v) {
     float amax = 0.f;
-    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    for (int j = 0; j < QK; j++) {
+        if (isnan(v[j])) return NAN;
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
     return amax;
 }
 #endif
@@ -263,7 +274,10 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t nb, xq
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * ldx + b * QK;
             int8_t *q = xq->q + (r * nb + b) * QK;
-            const float d = block_amax(v) / 127.f;
+            const float amax = block_amax(v);
+            /* A NaN or infinity in the block: d = s = NaN, so that the row's outputs are NaN, as the
+             * float path's would be NaN or infinite (no finite q could stand for it). */
+            const float d = amax <= FLT_MAX ? amax / 127.f : NAN;
             int sum = 0;
             if (d > 0.f)
                 sum = quantize_block(v, d, q);
