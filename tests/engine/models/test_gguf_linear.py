@@ -65,7 +65,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
     """Random x [m, k] with, in row 0's first block, max|x| = 127 (d = 1) and every other value a tie
-    (-14.5 .. 15.5, rounded away from zero), and, where there is another block, an all-zero last block."""
+    (-15.5 .. 14.5, rounded away from zero), and, where there is another block, an all-zero last block."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 2
     if m * k > 32:
         x[-1, -32:] = 0
@@ -144,10 +144,10 @@ def test_int8_matmul_is_the_same_floats_in_every_build(tmp_path: Path) -> None:
             mp.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
             builds.append(load_gguf_kernel(tmp_path / "v3"))
         assert builds[-1].simd and not builds[-1].vnni
-    for qtype in (Q4_1, Q8_0):
-        w, _ = random_weight(45, 576, qtype, seed=12)
-        for m in (1, 5, 11):
-            x = activations(m, 576, seed=m)
+    for qtype, k in [(Q4_1, 576), (Q8_0, 576), (Q4_1, 544), (Q8_0, 544)]:  # 18 and 17 blocks a row
+        w, _ = random_weight(45, k, qtype, seed=12)
+        for m in (1, 5, 11):  # a tile of 1 (blocks split over two accumulator sets), of 5, of 8 then 3
+            x = activations(m, k, seed=m)
             ys = []
             for b in builds:
                 ys.append(torch.empty(m, 45))
