@@ -208,7 +208,8 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
 typedef struct {
     int8_t *q;  /* [m, nb * 32] */
     float *d;   /* [m, nb] d_x */
-    float *s;   /* [m, nb] s_x = d_x * sum(q_x) */
+    float *s;   /* [nb, m] s_x = d_x * sum(q_x): block-major, so a tile's rows lie side by side (+ TILE
+                 * zeros, so that 8 of them can be loaded from the last tile) */
 } xq8;
 
 #if SIMD
@@ -284,7 +285,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t nb, xq
             else
                 memset(q, 0, QK);
             xq->d[r * nb + b] = d;
-            xq->s[r * nb + b] = d * (float)sum;
+            xq->s[b * m + r] = d * (float)sum;
         }
 }
 
@@ -309,13 +310,15 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* One block b of the weight row into acc[r], mins[r]. */
+/* One block b of the weight row into acc[r] and lane r of mins (s + b * ms: the tile's s_x). */
 static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, int qtype, int64_t b, int64_t nb,
                                                            const int8_t *q, const float *d, const float *s,
-                                                           const int mr, __m256 *acc, float *mins) {
+                                                           int64_t ms, const int mr, __m256 *acc, __m256 *mins) {
     if (qtype == Q4_1) {
-        const __m128i mask = _mm_set1_epi8(15), raw = _mm_loadu_si128((const __m128i *)(blk + 4));
-        const __m256i wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+        /* the 16 bytes in both halves; the upper half shifted right by 4 (64 bits at a time: what crosses
+         * into a byte from its neighbour is masked off), so the vector holds q_0 .. q_31 in order */
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        const __m256i wu = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
         int32_t dm_bits;
         memcpy(&dm_bits, blk, 4);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)); /* d_w, m_w */
@@ -325,8 +328,9 @@ static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, i
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
             const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
             acc[r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(dw, _mm256_broadcast_ss(d + r * nb + b)), acc[r]);
-            mins[r] += mw * s[r * nb + b];
         }
+        /* every row's m_w * s_x at once (a separate multiply and add, as the portable path rounds them) */
+        *mins = _mm256_add_ps(*mins, _mm256_mul_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s + b * ms)));
     } else {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), wu = _mm256_abs_epi8(w);
         const __m256 dw = _mm256_set1_ps(fp16(blk));
@@ -340,28 +344,29 @@ static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, i
 
 static inline __attribute__((always_inline)) void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb,
                                                               const int8_t *q, const float *d, const float *s,
-                                                              const int mr, float *out, float *mins) {
+                                                              int64_t ms, const int mr, float *out, float *mins) {
     const int64_t bb = block_bytes(qtype);
-    __m256 acc0[TILE], acc1[TILE];
-    float m0[TILE], m1[TILE];
-    for (int r = 0; r < mr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps(), m0[r] = m1[r] = 0.f;
+    __m256 acc0[TILE], acc1[TILE], m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    for (int r = 0; r < mr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t b = 0;
     if (mr <= SPLIT_ROWS)
         for (; b + 1 < nb; b += 2) {
-            block_q8(row + b * bb, qtype, b, nb, q, d, s, mr, acc0, m0);
-            block_q8(row + (b + 1) * bb, qtype, b + 1, nb, q, d, s, mr, acc1, m1);
+            block_q8(row + b * bb, qtype, b, nb, q, d, s, ms, mr, acc0, &m0);
+            block_q8(row + (b + 1) * bb, qtype, b + 1, nb, q, d, s, ms, mr, acc1, &m1);
         }
-    for (; b < nb; b++) block_q8(row + b * bb, qtype, b, nb, q, d, s, mr, acc0, m0);
+    for (; b < nb; b++) block_q8(row + b * bb, qtype, b, nb, q, d, s, ms, mr, acc0, &m0);
+    float mn[8];
+    _mm256_storeu_ps(mn, mr <= SPLIT_ROWS ? _mm256_add_ps(m0, m1) : m0);
     for (int r = 0; r < mr; r++) {
         float a[8];
         _mm256_storeu_ps(a, mr <= SPLIT_ROWS ? _mm256_add_ps(acc0[r], acc1[r]) : acc0[r]);
         out[r] = hsum8(a);
-        mins[r] = mr <= SPLIT_ROWS ? m0[r] + m1[r] : m0[r];
+        mins[r] = mn[r];
     }
 }
 #else
 static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t *q, const float *d,
-                               const float *s, const int mr, float *out, float *mins) {
+                               const float *s, int64_t ms, const int mr, float *out, float *mins) {
     const int64_t bb = block_bytes(qtype);
     float acc[2][TILE][8], mn[2][TILE];
     int qw[QK];
@@ -386,7 +391,7 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
                 for (int j = 4 * l; j < 4 * l + 4; j++) sum += qw[j] * xq[j];
                 acc[h][r][l] = fmaf((float)sum, dd, acc[h][r][l]);
             }
-            if (qtype == Q4_1) mn[h][r] += mw * s[r * nb + b];
+            if (qtype == Q4_1) mn[h][r] += mw * s[b * ms + r];
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -399,16 +404,16 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
 #endif
 
 static void row_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t *q, const float *d,
-                        const float *s, int mr, float *out, float *mins) {
+                        const float *s, int64_t ms, int mr, float *out, float *mins) {
     switch (mr) {
-    case 1: dot_tile_q8(row, qtype, nb, q, d, s, 1, out, mins); break;
-    case 2: dot_tile_q8(row, qtype, nb, q, d, s, 2, out, mins); break;
-    case 3: dot_tile_q8(row, qtype, nb, q, d, s, 3, out, mins); break;
-    case 4: dot_tile_q8(row, qtype, nb, q, d, s, 4, out, mins); break;
-    case 5: dot_tile_q8(row, qtype, nb, q, d, s, 5, out, mins); break;
-    case 6: dot_tile_q8(row, qtype, nb, q, d, s, 6, out, mins); break;
-    case 7: dot_tile_q8(row, qtype, nb, q, d, s, 7, out, mins); break;
-    default: dot_tile_q8(row, qtype, nb, q, d, s, TILE, out, mins); break;
+    case 1: dot_tile_q8(row, qtype, nb, q, d, s, ms, 1, out, mins); break;
+    case 2: dot_tile_q8(row, qtype, nb, q, d, s, ms, 2, out, mins); break;
+    case 3: dot_tile_q8(row, qtype, nb, q, d, s, ms, 3, out, mins); break;
+    case 4: dot_tile_q8(row, qtype, nb, q, d, s, ms, 4, out, mins); break;
+    case 5: dot_tile_q8(row, qtype, nb, q, d, s, ms, 5, out, mins); break;
+    case 6: dot_tile_q8(row, qtype, nb, q, d, s, ms, 6, out, mins); break;
+    case 7: dot_tile_q8(row, qtype, nb, q, d, s, ms, 7, out, mins); break;
+    default: dot_tile_q8(row, qtype, nb, q, d, s, ms, TILE, out, mins); break;
     }
 }
 
@@ -418,17 +423,18 @@ int tandem_gguf_matmul_q8(const float *x, int64_t ldx, int64_t m, const uint8_t 
     const int64_t bb = block_bytes(qtype), nb = k / QK;
     if (!bb || k % QK || m < 0 || n < 0) return -1;
     if (m == 0 || n == 0) return 0;
-    xq8 xq = {NULL, NULL, NULL};
-    if (nb > 0) {
-        xq.q = malloc((size_t)(m * nb * QK));
-        xq.d = malloc(sizeof(float) * (size_t)(m * nb));
-        xq.s = malloc(sizeof(float) * (size_t)(m * nb));
-        if (!xq.q || !xq.d || !xq.s) {
-            free(xq.q), free(xq.d), free(xq.s);
-            return -2;
-        }
-        quantize_rows(x, ldx, m, nb, &xq);
+    if (nb == 0) { /* k = 0: empty sums */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < n; i++) y[r * ldy + i] = 0.f;
+        return 0;
     }
+    xq8 xq = {malloc((size_t)(m * nb * QK)), malloc(sizeof(float) * (size_t)(m * nb)),
+              calloc((size_t)(m * nb + TILE), sizeof(float))};
+    if (!xq.q || !xq.d || !xq.s) {
+        free(xq.q), free(xq.d), free(xq.s);
+        return -2;
+    }
+    quantize_rows(x, ldx, m, nb, &xq);
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -436,7 +442,7 @@ int tandem_gguf_matmul_q8(const float *x, int64_t ldx, int64_t m, const uint8_t 
         for (int64_t r0 = 0; r0 < m; r0 += TILE) {
             const int mr = (int)(m - r0 < TILE ? m - r0 : TILE);
             float out[TILE], mins[TILE];
-            row_tile_q8(row, qtype, nb, xq.q + r0 * nb * QK, xq.d + r0 * nb, xq.s + r0 * nb, mr, out, mins);
+            row_tile_q8(row, qtype, nb, xq.q + r0 * nb * QK, xq.d + r0 * nb, xq.s + r0, m, mr, out, mins);
             for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + i] = qtype == Q4_1 ? out[r] + mins[r] : out[r];
         }
     }
