@@ -144,9 +144,9 @@ def test_int8_matmul_is_the_same_floats_in_every_build(tmp_path: Path) -> None:
             mp.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
             builds.append(load_gguf_kernel(tmp_path / "v3"))
         assert builds[-1].simd and not builds[-1].vnni
-    for qtype, k in [(Q4_1, 576), (Q8_0, 576), (Q4_1, 544), (Q8_0, 544)]:  # 18 and 17 blocks a row
+    for qtype, k in [(Q4_1, 576), (Q8_0, 576), (Q4_1, 544), (Q8_0, 544)]:
         w, _ = random_weight(45, k, qtype, seed=12)
-        for m in (1, 5, 11):  # a tile of 1 (blocks split over two accumulator sets), of 5, of 8 then 3
+        for m in (1, 5, 11):  # a tile of 1, of 5, of 8 then 3
             x = activations(m, k, seed=m)
             ys = []
             for b in builds:

@@ -189,10 +189,10 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
  *   Q8_0:  y += d_w * d_x * sum(q_w q_x)
  *   Q4_1:  y += d_w * d_x * sum(q_w q_x) + m_w * s_x       (q_w the unsigned nibbles 0..15)
  * The integer sum of a block is taken in 8 lanes of 4 products each (bytes 4l..4l+3 in lane l), each lane
- * converted to float and accumulated as fma(lane, d_w * d_x, acc_l) over the blocks (for up to SPLIT_ROWS
- * rows, even and odd blocks in two sets added at the end); the 8 lanes are added at the end in one fixed
- * order (hsum8), Q4_1's m_w * s_x terms in a scalar sum beside them. The SIMD paths and the portable one
- * follow exactly these steps, so every build gives the same floats (and so does any thread count):
+ * converted to float and accumulated as fma(lane, d_w * d_x, acc_l) over the blocks; the 8 lanes are added
+ * at the end in one fixed order (hsum8), Q4_1's m_w * s_x terms in a sum beside them. The SIMD paths and
+ * the portable one follow exactly these steps, so every build gives the same floats (and so does any
+ * thread count):
  *   AVX-512 VNNI (+VL):  _mm256_dpbusd_epi32, 32 u8 x s8 products summed into 8 int32 lanes at once;
  *   AVX2:                _mm256_maddubs_epi16 (pairs into int16: at most 2 * 128 * 127, no saturation)
  *                        then _mm256_madd_epi16 by ones (pairs of pairs into int32): the same 8 lanes.
@@ -296,10 +296,8 @@ static inline float hsum8(const float a[8]) {
 }
 
 /* Rows r < mr of the quantized x against one weight row: out[r] = the sum over blocks of d_w d_x sum(q_w q_x),
- * mins[r] = the sum of m_w s_x (Q4_1). For a few rows (mr <= SPLIT_ROWS) the blocks alternate between two
- * sets of accumulators (even blocks, odd blocks; added at the end), so that consecutive blocks' fmas do not
- * wait on each other; with more rows the rows give that parallelism. mr is a constant at every call site. */
-#define SPLIT_ROWS 4
+ * mins[r] = the sum of m_w s_x (Q4_1). mr is a constant at every call site. (Splitting a few rows' blocks
+ * over two sets of accumulators, against the fma chain's latency, measured no faster: not done.) */
 
 #if SIMD
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -346,38 +344,30 @@ static inline __attribute__((always_inline)) void dot_tile_q8(const uint8_t *row
                                                               const int8_t *q, const float *d, const float *s,
                                                               int64_t ms, const int mr, float *out, float *mins) {
     const int64_t bb = block_bytes(qtype);
-    __m256 acc0[TILE], acc1[TILE], m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-    for (int r = 0; r < mr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    int64_t b = 0;
-    if (mr <= SPLIT_ROWS)
-        for (; b + 1 < nb; b += 2) {
-            block_q8(row + b * bb, qtype, b, nb, q, d, s, ms, mr, acc0, &m0);
-            block_q8(row + (b + 1) * bb, qtype, b + 1, nb, q, d, s, ms, mr, acc1, &m1);
-        }
-    for (; b < nb; b++) block_q8(row + b * bb, qtype, b, nb, q, d, s, ms, mr, acc0, &m0);
-    float mn[8];
-    _mm256_storeu_ps(mn, mr <= SPLIT_ROWS ? _mm256_add_ps(m0, m1) : m0);
+    __m256 acc[TILE], mn = _mm256_setzero_ps();
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) block_q8(row + b * bb, qtype, b, nb, q, d, s, ms, mr, acc, &mn);
+    float m8[8];
+    _mm256_storeu_ps(m8, mn);
     for (int r = 0; r < mr; r++) {
         float a[8];
-        _mm256_storeu_ps(a, mr <= SPLIT_ROWS ? _mm256_add_ps(acc0[r], acc1[r]) : acc0[r]);
+        _mm256_storeu_ps(a, acc[r]);
         out[r] = hsum8(a);
-        mins[r] = mn[r];
+        mins[r] = m8[r];
     }
 }
 #else
 static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t *q, const float *d,
                                const float *s, int64_t ms, const int mr, float *out, float *mins) {
     const int64_t bb = block_bytes(qtype);
-    float acc[2][TILE][8], mn[2][TILE];
+    float acc[TILE][8];
     int qw[QK];
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < mr; r++) {
-            mn[h][r] = 0.f;
-            for (int l = 0; l < 8; l++) acc[h][r][l] = 0.f;
-        }
+    for (int r = 0; r < mr; r++) {
+        mins[r] = 0.f;
+        for (int l = 0; l < 8; l++) acc[r][l] = 0.f;
+    }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
-        const int h = mr <= SPLIT_ROWS && (b & 1); /* odd blocks go to the second set when split */
         if (qtype == Q8_0)
             for (int j = 0; j < QK; j++) qw[j] = (int8_t)blk[2 + j];
         else
@@ -389,17 +379,12 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
             for (int l = 0; l < 8; l++) {
                 int sum = 0;
                 for (int j = 4 * l; j < 4 * l + 4; j++) sum += qw[j] * xq[j];
-                acc[h][r][l] = fmaf((float)sum, dd, acc[h][r][l]);
+                acc[r][l] = fmaf((float)sum, dd, acc[r][l]);
             }
-            if (qtype == Q4_1) mn[h][r] += mw * s[b * ms + r];
+            if (qtype == Q4_1) mins[r] += mw * s[b * ms + r];
         }
     }
-    for (int r = 0; r < mr; r++) {
-        float a[8];
-        for (int l = 0; l < 8; l++) a[l] = mr <= SPLIT_ROWS ? acc[0][r][l] + acc[1][r][l] : acc[0][r][l];
-        out[r] = hsum8(a);
-        mins[r] = mr <= SPLIT_ROWS ? mn[0][r] + mn[1][r] : mn[0][r];
-    }
+    for (int r = 0; r < mr; r++) out[r] = hsum8(acc[r]);
 }
 #endif
 
