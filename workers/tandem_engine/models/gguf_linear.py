@@ -2,10 +2,15 @@
 "GGUF weight-only quantization").
 
 A few rows (a decode step of one to a handful of sequences) go through the C kernel of gguf_matmul.c,
-which reads each block once and unpacks it in registers inside the matmul: a decode step streams a fifth
-(Q4_1) or a bit over a quarter (Q8_0) of the bytes of the float32 weights. Many rows (a prefill chunk)
-dequantize the weight into a float32 scratch matrix once per call and run torch's matmul, whose GEMM
-then amortises the unpacking over every row.
+which reads each block once inside the matmul: a decode step streams a fifth (Q4_1) or a bit over a
+quarter (Q8_0) of the bytes of the float32 weights. By default (`int8_activations`) the kernel first
+quantizes each row of x to int8 per block of 32 (d = max|x| / 127, as llama.cpp does for these types) and
+takes integer dot products of the blocks (AVX-512 VNNI or AVX2): this changes the numerics slightly (x
+rounded to 8 bits; quality is checked by perplexity against llama.cpp, bench/vs_llama_cpp.py) and is what
+makes a decode step bound by memory rather than by unpacking blocks to float. `int8_activations=False`
+keeps x in float32 (the kernel's reference path). Many rows (a prefill chunk) dequantize the weight into a
+float32 scratch matrix once per call and run torch's matmul, whose GEMM then amortises the unpacking over
+every row; x stays float32 there.
 """
 
 from __future__ import annotations
@@ -62,10 +67,14 @@ class GGUFKernel:
         self._matmul = lib.tandem_gguf_matmul
         self._matmul.argtypes = [p, i64, i64, p, i32, i64, i64, p, i64, i32]
         self._matmul.restype = i32
+        self._matmul_q8 = lib.tandem_gguf_matmul_q8
+        self._matmul_q8.argtypes = [p, i64, i64, p, i32, i64, i64, p, i64, i32]
+        self._matmul_q8.restype = i32
         self._dequantize = lib.tandem_gguf_dequantize
         self._dequantize.argtypes = [p, i32, i64, p, i64, p, i32]
         self._dequantize.restype = i32
         self.simd = bool(lib.tandem_gguf_simd())  # the AVX2/FMA path, else the portable one
+        self.vnni = bool(lib.tandem_gguf_vnni())  # matmul_q8 on AVX-512 VNNI, else AVX2 (or portable)
         self._scratch = torch.empty(0)
 
     def matmul(self, x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> None:
@@ -75,6 +84,14 @@ class GGUFKernel:
                           out.data_ptr(), out.stride(0), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"gguf matmul failed ({rc})")
+
+    def matmul_q8(self, x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> None:
+        """As `matmul`, with each row of x quantized to int8 per block of 32 first (d = max|x| / 127,
+        q = round(x / d) half away from zero) and integer dot products with the weight's blocks."""
+        rc = self._matmul_q8(x.data_ptr(), x.stride(0), x.shape[0], w.data.data_ptr(), w.qtype, w.rows, w.cols,
+                             out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"gguf int8 matmul failed ({rc})")
 
     def dequantize(self, w: QuantizedWeight, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,10 +128,11 @@ def load_gguf_kernel(cache_dir: Path, portable: bool = False) -> GGUFKernel:
 
 class GGUFLinear:
     """y [rows, out] = x [rows, in] @ W.T + b, W the row-wise concatenation of GGUF-block weights (q|k|v
-    or gate|up: the parts may differ in type)."""
+    or gate|up: the parts may differ in type). Below `dense_from_rows` rows the kernel runs on x quantized
+    to int8 per block (`int8_activations`, as llama.cpp does) or on float32 x."""
 
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None, kernel: GGUFKernel,
-                 dense_from_rows: int = DENSE_FROM_ROWS) -> None:
+                 dense_from_rows: int = DENSE_FROM_ROWS, int8_activations: bool = True) -> None:
         self.in_features = parts[0].cols
         if any(p.cols != self.in_features for p in parts):
             raise ValueError("the parts of a projection must share their input size")
@@ -123,6 +141,7 @@ class GGUFLinear:
         self.bias = bias  # the model's own bias parameter (filled in place at load time) or None
         self.kernel = kernel
         self.dense_from_rows = dense_from_rows  # from this many rows on: dequantize + torch's matmul
+        self.int8_activations = int8_activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -134,9 +153,10 @@ class GGUFLinear:
                 start += p.rows
             return F.linear(x, w, self.bias)
         y = torch.empty(x.shape[0], self.out_features)
+        matmul = self.kernel.matmul_q8 if self.int8_activations else self.kernel.matmul
         start = 0
         for p in self.parts:
-            self.kernel.matmul(x, p, y[:, start : start + p.rows])
+            matmul(x, p, y[:, start : start + p.rows])
             start += p.rows
         return y if self.bias is None else y.add_(self.bias)
 

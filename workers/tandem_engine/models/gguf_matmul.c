@@ -9,10 +9,15 @@
  * y [m, n] = x [m, k] @ W^T is computed in float32 without ever writing W out: per block,
  * s = sum_j q_j x_j, then y += d * s (+ m * sum_j x_j for Q4_1, whose per-block sums of x are taken
  * once per call). Rows of x go through in tiles of up to TILE, so each block is unpacked once per tile and
- * reused from registers; output rows (of W) are split over OpenMP threads.
+ * reused from registers; output rows (of W) are split over OpenMP threads. That is tandem_gguf_matmul,
+ * the float32 reference; tandem_gguf_matmul_q8 (the default for a few rows, below) instead quantizes x to
+ * int8 per block of 32, as llama.cpp does, and takes integer dot products of the blocks (AVX-512 VNNI or
+ * AVX2), which is what makes a decode step memory bound rather than bound by unpacking to float.
  *
- * Built twice from this one file: with -march=native (the AVX2/FMA/F16C path below when the CPU has them)
- * and without (the portable scalar path), which the tests check against each other and a reference. */
+ * Built twice from this one file: with -march=native (the AVX2/FMA/F16C path below when the CPU has them,
+ * VNNI too where it has AVX-512 VNNI/VL) and without (the portable scalar path), which the tests check
+ * against each other and a reference. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -175,6 +180,261 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
     return 0;
 }
 
+/* --- 8-bit activations: integer dot products (tandem_gguf_matmul_q8) ----------------------------------
+ *
+ * Each row of x is quantized once per call, per block of 32 like the weights: d_x = max|x| / 127,
+ * q_x = roundf(x / d_x) (an all-zero block: d_x = 0, q_x = 0; one holding a NaN or infinity: d_x = NaN,
+ * which makes the row's outputs NaN), s_x = d_x * sum(q_x). Per weight block
+ * the sum of q_w * q_x is an exact integer, so
+ *   Q8_0:  y += d_w * d_x * sum(q_w q_x)
+ *   Q4_1:  y += d_w * d_x * sum(q_w q_x) + m_w * s_x       (q_w the unsigned nibbles 0..15)
+ * The integer sum of a block is taken in 8 lanes of 4 products each (bytes 4l..4l+3 in lane l), each lane
+ * converted to float and accumulated as fma(lane, d_w * d_x, acc_l) over the blocks; the 8 lanes are added
+ * at the end in one fixed order (hsum8), Q4_1's m_w * s_x terms in a sum beside them. The SIMD paths and
+ * the portable one follow exactly these steps, so every build gives the same floats (and so does any
+ * thread count):
+ *   AVX-512 VNNI (+VL):  _mm256_dpbusd_epi32, 32 u8 x s8 products summed into 8 int32 lanes at once;
+ *   AVX2:                _mm256_maddubs_epi16 (pairs into int16: at most 2 * 128 * 127, no saturation)
+ *                        then _mm256_madd_epi16 by ones (pairs of pairs into int32): the same 8 lanes.
+ * u8 x s8: Q4_1's nibbles are the unsigned operand as they are; Q8_0's signed weights go in as |q_w|,
+ * their signs moved onto q_x (_mm256_sign_epi8; |q_x| <= 127, so negating it cannot overflow). */
+
+#if SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+typedef struct {
+    int8_t *q;  /* [m, nb * 32] */
+    float *d;   /* [m, nb] d_x */
+    float *s;   /* [nb, m] s_x = d_x * sum(q_x): block-major, so a tile's rows lie side by side (+ TILE
+                 * zeros, so that 8 of them can be loaded from the last tile) */
+} xq8;
+
+#if SIMD
+/* 32 values of x to int8: roundf(v / d) as trunc(q), + sign(q) where |q - trunc(q)| >= 0.5 (exact: the
+ * difference is); returns the sum of the q. */
+static inline int quantize_block(const float *v, float d, int8_t *q) {
+    const __m256 dv = _mm256_set1_ps(d), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256 f = _mm256_div_ps(_mm256_loadu_ps(v + 8 * j), dv);
+        const __m256 t = _mm256_round_ps(f, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(f, t)), half, _CMP_GE_OQ);
+        const __m256 step = _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(f, sign), one));
+        const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, step), _mm256_set1_ps(-127.f)),
+                                       _mm256_set1_ps(127.f)); /* only a subnormal d gets past 127 */
+        i[j] = _mm256_cvttps_epi32(r);
+    }
+    /* packs interleave 128-bit lanes: 4-byte groups come out as i0[0..3] i1[0..3] i2[0..3] i3[0..3]
+     * i0[4..7] ...; the permutation puts them back in order. */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* max |v| of a block, NaN when it holds a NaN. */
+static inline float block_amax(const float *v) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v)), nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+    for (int j = 1; j < 4; j++) {
+        const __m256 vj = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j));
+        a = _mm256_max_ps(a, vj);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(vj, vj, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+#else
+static inline int quantize_block(const float *v, float d, int8_t *q) {
+    int sum = 0;
+    for (int j = 0; j < QK; j++) sum += q[j] = (int8_t)fminf(fmaxf(roundf(v[j] / d), -127.f), 127.f);
+    return sum;
+}
+
+static inline float block_amax(const float *v) {
+    float amax = 0.f;
+    for (int j = 0; j < QK; j++) {
+        if (isnan(v[j])) return NAN;
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+    return amax;
+}
+#endif
+
+static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t nb, xq8 *xq) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * ldx + b * QK;
+            int8_t *q = xq->q + (r * nb + b) * QK;
+            const float amax = block_amax(v);
+            /* A NaN or infinity in the block: d = s = NaN, so that the row's outputs are NaN, as the
+             * float path's would be NaN or infinite (no finite q could stand for it). */
+            const float d = amax <= FLT_MAX ? amax / 127.f : NAN;
+            int sum = 0;
+            if (d > 0.f)
+                sum = quantize_block(v, d, q);
+            else
+                memset(q, 0, QK);
+            xq->d[r * nb + b] = d;
+            xq->s[b * m + r] = d * (float)sum;
+        }
+}
+
+/* The 8 lanes added as hsum() adds them: (l0+l4 + l2+l6) + (l1+l5 + l3+l7). */
+static inline float hsum8(const float a[8]) {
+    const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+/* Rows r < mr of the quantized x against one weight row: out[r] = the sum over blocks of d_w d_x sum(q_w q_x),
+ * mins[r] = the sum of m_w s_x (Q4_1). mr is a constant at every call site. (Splitting a few rows' blocks
+ * over two sets of accumulators, against the fma chain's latency, measured no faster: not done.) */
+
+#if SIMD
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* One block b of the weight row into acc[r] and lane r of mins (s + b * ms: the tile's s_x). */
+static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, int qtype, int64_t b, int64_t nb,
+                                                           const int8_t *q, const float *d, const float *s,
+                                                           int64_t ms, const int mr, __m256 *acc, __m256 *mins) {
+    if (qtype == Q4_1) {
+        /* the 16 bytes in both halves; the upper half shifted right by 4 (64 bits at a time: what crosses
+         * into a byte from its neighbour is masked off), so the vector holds q_0 .. q_31 in order */
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        const __m256i wu = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
+        int32_t dm_bits;
+        memcpy(&dm_bits, blk, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)); /* d_w, m_w */
+        const __m256 dw = _mm256_broadcastss_ps(dm);
+        const float mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        for (int r = 0; r < mr; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+            acc[r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(dw, _mm256_broadcast_ss(d + r * nb + b)), acc[r]);
+        }
+        /* every row's m_w * s_x at once (a separate multiply and add, as the portable path rounds them) */
+        *mins = _mm256_add_ps(*mins, _mm256_mul_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s + b * ms)));
+    } else {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), wu = _mm256_abs_epi8(w);
+        const __m256 dw = _mm256_set1_ps(fp16(blk));
+        for (int r = 0; r < mr; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, _mm256_sign_epi8(xv, w)));
+            acc[r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(dw, _mm256_broadcast_ss(d + r * nb + b)), acc[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb,
+                                                              const int8_t *q, const float *d, const float *s,
+                                                              int64_t ms, const int mr, float *out, float *mins) {
+    const int64_t bb = block_bytes(qtype);
+    __m256 acc[TILE], mn = _mm256_setzero_ps();
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) block_q8(row + b * bb, qtype, b, nb, q, d, s, ms, mr, acc, &mn);
+    float m8[8];
+    _mm256_storeu_ps(m8, mn);
+    for (int r = 0; r < mr; r++) {
+        float a[8];
+        _mm256_storeu_ps(a, acc[r]);
+        out[r] = hsum8(a);
+        mins[r] = m8[r];
+    }
+}
+#else
+static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t *q, const float *d,
+                               const float *s, int64_t ms, const int mr, float *out, float *mins) {
+    const int64_t bb = block_bytes(qtype);
+    float acc[TILE][8];
+    int qw[QK];
+    for (int r = 0; r < mr; r++) {
+        mins[r] = 0.f;
+        for (int l = 0; l < 8; l++) acc[r][l] = 0.f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        if (qtype == Q8_0)
+            for (int j = 0; j < QK; j++) qw[j] = (int8_t)blk[2 + j];
+        else
+            for (int j = 0; j < QK / 2; j++) qw[j] = blk[4 + j] & 15, qw[j + QK / 2] = blk[4 + j] >> 4;
+        const float dw = fp16(blk), mw = qtype == Q4_1 ? fp16(blk + 2) : 0.f;
+        for (int r = 0; r < mr; r++) {
+            const int8_t *xq = q + (r * nb + b) * QK;
+            const float dd = dw * d[r * nb + b];
+            for (int l = 0; l < 8; l++) {
+                int sum = 0;
+                for (int j = 4 * l; j < 4 * l + 4; j++) sum += qw[j] * xq[j];
+                acc[r][l] = fmaf((float)sum, dd, acc[r][l]);
+            }
+            if (qtype == Q4_1) mins[r] += mw * s[b * ms + r];
+        }
+    }
+    for (int r = 0; r < mr; r++) out[r] = hsum8(acc[r]);
+}
+#endif
+
+static void row_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t *q, const float *d,
+                        const float *s, int64_t ms, int mr, float *out, float *mins) {
+    switch (mr) {
+    case 1: dot_tile_q8(row, qtype, nb, q, d, s, ms, 1, out, mins); break;
+    case 2: dot_tile_q8(row, qtype, nb, q, d, s, ms, 2, out, mins); break;
+    case 3: dot_tile_q8(row, qtype, nb, q, d, s, ms, 3, out, mins); break;
+    case 4: dot_tile_q8(row, qtype, nb, q, d, s, ms, 4, out, mins); break;
+    case 5: dot_tile_q8(row, qtype, nb, q, d, s, ms, 5, out, mins); break;
+    case 6: dot_tile_q8(row, qtype, nb, q, d, s, ms, 6, out, mins); break;
+    case 7: dot_tile_q8(row, qtype, nb, q, d, s, ms, 7, out, mins); break;
+    default: dot_tile_q8(row, qtype, nb, q, d, s, ms, TILE, out, mins); break;
+    }
+}
+
+/* tandem_gguf_matmul with x quantized to 8 bits per block of 32 (above): same arguments and returns. */
+int tandem_gguf_matmul_q8(const float *x, int64_t ldx, int64_t m, const uint8_t *w, int qtype, int64_t n,
+                          int64_t k, float *y, int64_t ldy, int threads) {
+    const int64_t bb = block_bytes(qtype), nb = k / QK;
+    if (!bb || k % QK || m < 0 || n < 0) return -1;
+    if (m == 0 || n == 0) return 0;
+    if (nb == 0) { /* k = 0: empty sums */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < n; i++) y[r * ldy + i] = 0.f;
+        return 0;
+    }
+    xq8 xq = {malloc((size_t)(m * nb * QK)), malloc(sizeof(float) * (size_t)(m * nb)),
+              calloc((size_t)(m * nb + TILE), sizeof(float))};
+    if (!xq.q || !xq.d || !xq.s) {
+        free(xq.q), free(xq.d), free(xq.s);
+        return -2;
+    }
+    quantize_rows(x, ldx, m, nb, &xq);
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + i * nb * bb;
+        for (int64_t r0 = 0; r0 < m; r0 += TILE) {
+            const int mr = (int)(m - r0 < TILE ? m - r0 : TILE);
+            float out[TILE], mins[TILE];
+            row_tile_q8(row, qtype, nb, xq.q + r0 * nb * QK, xq.d + r0 * nb, xq.s + r0, m, mr, out, mins);
+            for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + i] = qtype == Q4_1 ? out[r] + mins[r] : out[r];
+        }
+    }
+    free(xq.q), free(xq.d), free(xq.s);
+    return 0;
+}
+
 /* out[i * k + j] = W[rows[i], j] as float32 (rows NULL: row i), each value d * q (+ m) rounded as the
  * gguf package's dequantization rounds it (this file is built with -ffp-contract=off). */
 int tandem_gguf_dequantize(const uint8_t *w, int qtype, int64_t k, const int64_t *rows, int64_t n, float *out,
@@ -202,3 +462,6 @@ int tandem_gguf_dequantize(const uint8_t *w, int qtype, int64_t k, const int64_t
 
 /* 1 when this build runs the AVX2/FMA path, 0 for the portable one. */
 int tandem_gguf_simd(void) { return SIMD; }
+
+/* 1 when tandem_gguf_matmul_q8 runs on AVX-512 VNNI, 0 for AVX2's maddubs (or the portable path). */
+int tandem_gguf_vnni(void) { return VNNI; }
