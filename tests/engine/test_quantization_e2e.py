@@ -41,10 +41,11 @@ MIN_AGREEMENT = 0.8
 # Where int8 picks another token, it is one dense ranks near the top: at most this many nats below
 # dense's own choice (a near-tie, not a different answer); measured at most 0.83.
 MAX_LOGPROB_GAP = 1.5
-# gguf multiplies by the very values transformers dequantizes the file to, in another summation order:
-# only a float32 near-tie can flip, and a flip is a gap of rounding size.
-GGUF_MIN_AGREEMENT = 0.97
-GGUF_MAX_LOGPROB_GAP = 0.05
+# gguf multiplies by the very values transformers dequantizes the file to, but a decode step's activations
+# are rounded to int8 per block of 32 first (as llama.cpp does): near-ties flip, as under int8. Measured
+# 187/192 tokens dense's choice, largest gaps 0.12 and, in another run's batching, 1.04 nats.
+GGUF_MIN_AGREEMENT = 0.9
+GGUF_MAX_LOGPROB_GAP = MAX_LOGPROB_GAP
 
 
 @pytest.fixture(scope="module")

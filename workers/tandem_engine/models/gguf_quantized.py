@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from tandem_engine.models.gguf_linear import (
+    DENSE_FROM_ROWS,
     HEAD_DENSE_FROM_ROWS,
     GGUFEmbedding,
     GGUFKernel,
@@ -73,8 +74,10 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, cache_dir: Path) ->
     model.quantization = "gguf"
     kinds = Counter(t.type_name for t in tensors)
     nbytes = sum(t.data.nbytes for t in quantized.values())
-    logger.info("[startup] --quantization gguf: %s tensors of %s served from their blocks (%.1f MiB, %s kernel); "
-                "embedding %s, head %s", ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())), path.name,
-                nbytes / 2**20, "AVX2/FMA" if kernel.simd else "portable",
+    isa = ("AVX-512 VNNI" if kernel.vnni else "AVX2") if kernel.simd else "portable"
+    logger.info("[startup] --quantization gguf: %s tensors of %s served from their blocks (%.1f MiB, %s kernel, "
+                "int8 activations below %d rows); embedding %s, head %s",
+                ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())), path.name, nbytes / 2**20, isa,
+                DENSE_FROM_ROWS,
                 f"{embed.type_name} rows dequantized per lookup" if embed is not None else "float32",
                 "float32" if head is None else f"{head.type_name} kernel" + " (tied)" * model.tie_word_embeddings)
