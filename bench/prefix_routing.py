@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-blocks", type=int, default=128,
                    help="KV blocks (of 16 tokens) per engine: less than all system prompts and conversations")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--name", default="prefix_routing", help="result files bench/results/NAME.{json,md,png}")
     return p.parse_args()
 
 
@@ -252,7 +253,14 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], load: list[float])
         lines.append(f"| {r['engines']} | {r['policy']} | {s['prefix_cache_hit_rate']:.3f} | "
                      f"{s['ideal_hit_rate']:.3f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | "
                      f"{s['e2e_ms']['p50']:.0f} | {agree} | {s['failed']} |")
-    lines += ["", "![hit rate and TTFT per policy](prefix_routing.png)", ""]
+    lines += ["", "TTFT p50 (ms) by turn (turn 0 opens a conversation: only its system prompt can be cached; later "
+              "turns carry the history):", "", "| engines | policy | " + " | ".join(
+                  f"turn {t}" for t in range(a.turns)) + " |", "|---|---|" + "---|" * a.turns]
+    for r in runs:
+        by_turn = [sorted(q["ttft"] for q in r["requests"] if q["ok"] and q["turn"] == t) for t in range(a.turns)]
+        cells = [f"{1000 * v[len(v) // 2]:.0f}" if v else "" for v in by_turn]
+        lines.append(f"| {r['engines']} | {r['policy']} | " + " | ".join(cells) + " |")
+    lines += ["", f"![hit rate and TTFT per policy]({a.name}.png)", ""]
     return "\n".join(lines)
 
 
@@ -267,10 +275,10 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python bench/prefix_routing.py " + " ".join(sys.argv[1:]), "config": vars(a),
             "engine_args": engine_args(a), "load_average": load, "runs": runs}
-    (RESULTS / "prefix_routing.json").write_text(json.dumps(meta, indent=1))
-    plot(runs, RESULTS / "prefix_routing.png")
+    (RESULTS / f"{a.name}.json").write_text(json.dumps(meta, indent=1))
+    plot(runs, RESULTS / f"{a.name}.png")
     table = report(a, runs, load)
-    (RESULTS / "prefix_routing.md").write_text(table)
+    (RESULTS / f"{a.name}.md").write_text(table)
     print(table)
     return 0
 
