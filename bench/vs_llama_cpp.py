@@ -114,10 +114,24 @@ def quality(a: argparse.Namespace) -> dict[str, Any]:
     for mode in ("gguf", "none"):
         model = load_model(src, torch.float32, quantization=mode).model
         res[f"tandem_{mode}"] = tandem_perplexity(model, ids, a.ctx, a.stride)
+        if mode == "gguf":
+            # A window is one prefill, whose projections dequantize and run float32 GEMMs; decode steps (under
+            # DENSE_FROM_ROWS rows) quantize each row's activations to int8 instead. That is per row, so
+            # sending every row of the window through the kernel scores each token as a decode step would.
+            for proj in kernel_projections(model):
+                proj.dense_from_rows = 1 << 30
+            res["tandem_gguf_decode"] = tandem_perplexity(model, ids, a.ctx, a.stride)
         del model
     res["llama_cpp"] = llama_cpp_perplexity(llama(a, a.ctx, logits_all=True), ids, a.ctx, a.stride)
     res["gguf_vs_llama_cpp"] = res["tandem_gguf"] / res["llama_cpp"] - 1
+    res["gguf_decode_vs_llama_cpp"] = res["tandem_gguf_decode"] / res["llama_cpp"] - 1
     return res
+
+
+def kernel_projections(model: LlamaForCausalLM) -> list[GGUFLinear]:
+    """Every projection of a `--quantization gguf` model that runs the C kernel, the head included."""
+    projs = [p for layer in model.layers if isinstance(layer, DecoderLayer) for p in layer.quantized.values()]
+    return [p for p in [*projs, model.quantized_head] if isinstance(p, GGUFLinear)]
 
 
 def prompt_ids(a: argparse.Namespace) -> list[int]:
@@ -228,7 +242,11 @@ def table(res: dict[str, Any]) -> str:
         rows += [f"Perplexity of {q['tokens']} tokens of bench/data/alice_chapter1.txt, windows of {q['ctx']} "
                  f"tokens advanced by {q['stride']}.", "", "| engine | perplexity |", "|---|---|",
                  f"| llama.cpp (llama-cpp-python) | {q['llama_cpp']:.3f} |",
-                 f"| tandem --quantization gguf | {q['tandem_gguf']:.3f} ({q['gguf_vs_llama_cpp']:+.2%}) |",
+                 f"| tandem --quantization gguf, prefill path (float32 activations) | {q['tandem_gguf']:.3f} "
+                 f"({q['gguf_vs_llama_cpp']:+.2%}) |",
+                 *([f"| tandem --quantization gguf, decode path (int8 activations at every token) | "
+                    f"{q['tandem_gguf_decode']:.3f} ({q['gguf_decode_vs_llama_cpp']:+.2%}) |"]
+                   if "tandem_gguf_decode" in q else []),
                  f"| tandem dense (dequantized file) | {q['tandem_none']:.3f} |", ""]
     if "speed" in res:
         rows += [f"Single stream: {c['output_len']} tokens after a {c['input_len']}-token prompt, median of "
