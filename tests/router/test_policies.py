@@ -259,3 +259,29 @@ def test_session_affinity_sticks_and_spreads() -> None:
     assert len(set(picks.values())) == 3
     assert all(sa.choose(e, req(session=s), NO_PREFIX).endpoint.url == u for s, u in picks.items())
     assert sa.choose(e, req(), NO_PREFIX).reason == "least_load"
+
+
+def test_replicas_that_each_just_sent_a_request_still_agree_when_engines_publish_their_queues() -> None:
+    """Two router replicas each count only their own requests in flight. When the engines publish their
+    queues (KV events), both weigh those, so a request one replica just sent (not yet in the engine's
+    published queue) does not split their choice: cold prompts and equal hits both."""
+    prompts = [f"conversation {g}: " * 12 for g in range(40)]
+    reqs = [RoutingRequest(block_hashes(p, 8, 64), 60, 10) for p in prompts]
+
+    def replica(sent_to: int) -> list[Endpoint]:
+        e = eps(4)
+        for i, ep in enumerate(e):
+            ep.load_from_events, ep.engine_queue, ep.kv_usage = True, i % 2, 0.25
+        e[sent_to].acquire(1)  # this replica's request in flight, not yet in the engine's queue
+        return e
+
+    a, b = replica(0), replica(3)
+    everywhere = exact({f"http://e{i}": 2 for i in range(4)}, reqs[0])
+    for r, prefix in [(r, NO_PREFIX) for r in reqs] + [(reqs[0], everywhere)]:
+        assert PrefixAware().choose(a, r, prefix).endpoint.url == PrefixAware().choose(b, r, prefix).endpoint.url
+    # The published queues still steer: the engines that reported one more request get no cold prompt.
+    assert {PrefixAware().choose(a, r, NO_PREFIX).endpoint.url for r in reqs} == {"http://e0", "http://e2"}
+    # Without published queues a router has only its own count, and uses it.
+    c = eps(2)
+    c[0].acquire(1)
+    assert {PrefixAware().choose(c, r, NO_PREFIX).endpoint.url for r in reqs} == {"http://e1"}

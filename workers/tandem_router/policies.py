@@ -75,8 +75,13 @@ class ScoreWeights:
 
 
 def queue_depth(e: Endpoint) -> int:
-    """Requests on the endpoint: what this router has in flight there, or what the engine last
-    reported running and waiting (all routers' requests), whichever is more."""
+    """Requests on the endpoint. When the engine publishes its queue in its KV events, that queue
+    (running + waiting, every router's requests): every replica reads the same number at the same
+    moment, so a request one replica has just sent, and the engine has not yet reported, does not
+    split their choices. It lags by at most one engine step. Otherwise what this router has in flight
+    there, or what the engine's last scraped metrics said, whichever is more."""
+    if e.load_from_events and e.engine_queue is not None:
+        return e.engine_queue
     return max(e.in_flight_requests, e.engine_queue or 0)
 
 
