@@ -4,9 +4,12 @@ Workload: many multi-turn chat conversations that share long system prompts (`ta
 shared-prefix sessions: each turn carries the whole history), interleaved, several in flight. For each
 pool size (2 and 4 colocated engines, KV events on, KV caches small enough that one engine cannot hold
 every prefix) and each policy, fresh engines and router(s) run the same sessions one policy after the
-other. Every run goes through two router replicas (conversations start at Poisson times and alternate
-between them, as behind a load balancer); before every request both are asked where they would send it
-(`POST /route/...`), which gives their agreement.
+other. Every run goes through two router replicas: conversations start at Poisson times, and each
+request goes to one replica at random, as behind a load balancer that spreads requests. (An earlier
+version kept each conversation on one replica: with about two conversations per replica, round-robin
+and least-load then alternated in step with them, and on two engines 49 of 54 later turns found their
+history by that lockstep, a pattern no real arrival stream keeps.) Before every request both replicas
+are asked where they would send it (`POST /route/...`), which gives their agreement.
 
 Reported per run: the engines' prefix-cache hit rate (`vllm:prefix_cache_hits / queries`), TTFT
 p50/p99 and e2e; per pool size the ideal hit rate: one engine with an unbounded cache seeing the same
@@ -107,8 +110,9 @@ async def wait_following(routers: list[str], engines: list[str]) -> None:
 
 
 async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -> tuple[list[Record], float, list]:
-    """The sessions start at Poisson times and alternate between the router replicas (a load balancer in
-    front of them), at most `concurrency` in flight; with two replicas both are asked before each request."""
+    """The sessions start at Poisson times, at most `concurrency` in flight; each request goes to a router
+    replica at random (a load balancer that spreads requests, not conversations); with two replicas both
+    are asked before each request."""
     sessions = shared_prefix_sessions(a.groups, a.users, a.turns, a.prefix_len, a.turn_len, a.seed)
     agreement: list[list[dict[str, Any]]] = []  # per request, each replica's `POST /route` answer
     records: list[Record] = []
@@ -127,13 +131,18 @@ async def drive(a: argparse.Namespace, routers: list[str], engines: list[str]) -
         targets = [Target(url, MODEL, "chat", a.output_len, before=before) for url in routers]
         t0 = time.perf_counter()
 
-        async def one(k: int, session: Session) -> None:
+        balance = random.Random(a.seed + 1)  # not `rng`: every policy must see the same arrival times
+
+        def balancer() -> Target:
+            return balance.choice(targets)
+
+        async def one(session: Session) -> None:
             async with limit:
-                await run_session(http, targets[k % len(targets)], session, t0, records)
+                await run_session(http, balancer, session, t0, records)
 
         tasks = []
-        for k, session in enumerate(sessions):
-            tasks.append(asyncio.create_task(one(k, session)))
+        for session in sessions:
+            tasks.append(asyncio.create_task(one(session)))
             await asyncio.sleep(rng.expovariate(a.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
@@ -239,8 +248,8 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], load: list[float])
         f"behind `tandem route`; {a.groups} system prompts of ~{a.prefix_len} words, {a.users} conversations each, "
         f"{a.turns} turns of ~{a.turn_len} words carrying the history, {a.output_len} output tokens, "
         f"conversations starting at {a.request_rate}/s (Poisson), at most {a.concurrency} in flight, "
-        "alternating between two router replicas of the policy; agreement = both answer the same engine to "
-        "`POST /route/...` just before each request. Ideal = one "
+        "each request to one of two router replicas of the policy at random; agreement = both answer the same "
+        "engine to `POST /route/...` just before each request. Ideal = one "
         "engine with an unbounded cache on the same prompts in the same order.",
         "",
         "| engines | policy | hit rate | ideal | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | replicas agree "

@@ -131,8 +131,11 @@ async def one_request(
 
 
 async def run_session(
-    http: aiohttp.ClientSession, target: Target, sess: Session, t0: float, records: list[Record]
+    http: aiohttp.ClientSession, target: Target | Callable[[], Target], sess: Session, t0: float,
+    records: list[Record],
 ) -> None:
+    """The session's turns one after another, each carrying the history; `target` may be a callable that
+    picks one per request (a load balancer in front of router replicas)."""
     history: list[dict[str, str]] = []
     for turn, user in enumerate(sess.turns):
         messages = (
@@ -143,7 +146,7 @@ async def run_session(
         prompt = (sess.system + "\n" if sess.system else "") + "".join(f"{m['content']}\n" for m in history) + user
         rec = Record(start=0.0, group=sess.group, turn=turn)
         records.append(rec)
-        await one_request(http, target, messages, prompt, rec, t0)
+        await one_request(http, target if isinstance(target, Target) else target(), messages, prompt, rec, t0)
         if not rec.ok:
             return
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": rec.text}]
