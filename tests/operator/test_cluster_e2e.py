@@ -352,8 +352,10 @@ def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
 
 
 def autoscale(env: Env, ns: str, name: str, autoscaling: dict[str, Any]) -> None:
-    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
-           json.dumps({"spec": {"autoscaling": autoscaling}}))
+    """Replace spec.autoscaling whole: a merge patch would keep what an earlier test set and this one
+    left out (a 20 ms ITL target and no scale-up window scaled a woken pool straight to 2)."""
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=json", "-p",
+           json.dumps([{"op": "add", "path": "/spec/autoscaling", "value": autoscaling}]))
 
 
 def scaling_events(env: Env, ns: str, name: str, reason: str) -> list[str]:
