@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import zmq
 
+from tandem_engine.config import EngineConfig
 from tandem_engine.core.block_pool import NONE_HASH, hash_block
-from tandem_engine.core.kv_events import AllBlocksCleared, BlockStored, EngineLoad, decode_batch, replay
+from tandem_engine.core.engine_core import EngineCore
+from tandem_engine.core.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    EngineLoad,
+    KVEventBatch,
+    decode_batch,
+    replay,
+)
+from tandem_engine.request import Request
+from tandem_engine.sampling_params import SamplingParams
 from tandem_router.procs import free_port
 from tests.engine.engine_server import MODEL, run_server
 
@@ -71,3 +83,35 @@ def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> N
     with run_server(args, tmp_path / "again") as s:
         (_, first), *_ = replay(f"tcp://127.0.0.1:{port + 1}", 0)
         assert first.events == [AllBlocksCleared()] and first.engine_id != engine_id
+
+
+def test_a_new_request_is_in_the_published_load_before_its_step_computes() -> None:
+    """Routers weigh the queues engines publish; a request that came in during a step is counted in the
+    load sent before the next forward pass, not after it (a prefill step can take most of a second)."""
+    core = EngineCore(EngineConfig(model=MODEL, dtype="float32", kv_cache_gib=0.05, max_model_len=512,
+                                   block_size=BS, kv_events_port=free_port()))
+    assert core.kv_events is not None
+    trace: list[object] = []
+    publish, execute = core.kv_events.publish, core.runner.execute
+
+    def record_publish(batch: KVEventBatch) -> None:
+        trace.append(batch.load)
+        publish(batch)
+
+    def record_execute(sched: Any) -> Any:
+        trace.append("execute")
+        return execute(sched)
+
+    try:
+        core.kv_events.publish = record_publish  # type: ignore[method-assign]
+        core.runner.execute = record_execute  # type: ignore[method-assign]
+        for i in range(2):
+            core.add_request(Request(f"r{i}", list(range(1, 40)), SamplingParams(max_tokens=3, temperature=0), [0]))
+        core.step()
+        first = trace.index("execute")
+        assert EngineLoad(2, 0, pytest.approx(core.scheduler.kv.usage)) in trace[:first], trace
+        while core.has_requests:
+            core.step()
+        assert trace[-1] == EngineLoad(0, 0, 0.0), trace
+    finally:
+        core.shutdown()

@@ -88,14 +88,21 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if self.kv_worker is not None and self.kv_connector is not None:
             self.kv_worker.start_load_kv(self.kv_connector.build_connector_meta())
+        # Before the forward pass too: the requests that came in during the last step are now counted,
+        # and routers weighing queues see them a step sooner (a long prefill step is most of a second).
+        self._publish_changes()
         sampled = self.runner.execute(sched) if not sched.is_empty else {}
         outputs = self.scheduler.update_from_output(sched, sampled)
         self._idle = sched.is_empty and not outputs
+        self._publish_changes()
+        return outputs
+
+    def _publish_changes(self) -> None:
+        """The cache events since the last batch, with the load when it changed."""
         if self.kv_events is not None:
             events, load = self.scheduler.kv.pool.take_events(), self._load_change()
             if events or load is not None:
                 self._publish(events, load or self._published_load)
-        return outputs
 
     def _load_change(self) -> EngineLoad | None:
         """The scheduler's load, when routers have not seen it: a request came, started or ended, or
