@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from itertools import pairwise
+from pathlib import Path
 
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
+from tandem_engine.attention.torch_backend import TorchAttentionBackend, kernel_scratch, load_kernel
 from tests.engine.utils import dense_causal_attention, make_meta
 
 BS = 4
@@ -103,6 +105,29 @@ def test_head_layouts_at_block_size_16(heads: tuple[int, int, int], use_kernel: 
     tables = [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]]
     out, ref = run_step([1, 20, 3, 1], [40, 20, 35, 17], tables, use_kernel=use_kernel, heads=heads, bs=16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(6, 2, 8), (9, 3, 64), (6, 2, 12)], ids=["d8", "smollm2", "d12_scalar"])
+def test_kernel_head_ranges_are_the_whole_rows_heads(heads: tuple[int, int, int], tmp_path: Path) -> None:
+    """The head-range entry (which the fused decode step splits a row's heads over threads with) writes
+    exactly what the whole-row kernel writes for those heads, however the heads are cut."""
+    nq, nkv, d = heads
+    lib = load_kernel(tmp_path)
+    assert lib is not None
+    g = torch.Generator().manual_seed(nq * d)
+    k_cache, v_cache = (torch.randn(NUM_BLOCKS, 16, nkv, d, generator=g) for _ in range(2))
+    seq_lens, tables = [40, 7, 33], [[5, 30, 12], [7], [21, 9, 33]]
+    meta = make_meta([1] * 3, seq_lens, tables, 16)
+    q = torch.randn(3, nq, d, generator=g)
+    want = TorchAttentionBackend(use_kernel=True, cache_dir=tmp_path).forward(q, k_cache, v_cache, meta, 0.3)
+    got = torch.full_like(want, float("nan"))
+    for r, cuts in enumerate([[0, nq], [0, 1, nq - 2, nq], [0, nq // 2, nq // 2 + 1, nq]]):
+        scratch = torch.empty(kernel_scratch(nq, nkv, d, 16, seq_lens[r]))
+        for h0, h1 in pairwise(cuts):
+            lib.tandem_paged_attention_heads(q[r].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0,
+                                             meta.block_table[r].data_ptr(), seq_lens[r], got[r].data_ptr(),
+                                             scratch.data_ptr(), nq, nkv, d, 16, 0.3, h0, h1)
+    assert torch.equal(got, want)
 
 
 def test_plan_is_rebuilt_for_a_new_step() -> None:

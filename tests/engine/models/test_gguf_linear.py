@@ -155,6 +155,23 @@ def test_int8_matmul_is_the_same_floats_in_every_build(tmp_path: Path) -> None:
             assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("m", [1, 5, 11])
+def test_int8_matmul_by_column_ranges_is_the_whole_matmul(kernel: GGUFKernel, qtype: GGMLQuantizationType,
+                                                          m: int) -> None:
+    """Its two halves as the fused decode step calls them (x quantized once, then ranges of output columns,
+    each thread its own, cut anywhere) give matmul_q8's floats bit for bit."""
+    w, _ = random_weight(45, 544, qtype, seed=15)
+    x = activations(m, 544, seed=m)
+    want = torch.empty(m, 45)
+    kernel.matmul_q8(x, w, want)
+    xq = kernel.quantize_x(x)
+    got = torch.full((m, 50), float("nan"))  # a wider output: its row stride is not the weight's rows
+    for start, end in [(0, 7), (7, 8), (8, 8), (8, 31), (31, 45)]:
+        kernel.matmul_q8_cols(xq, m, w, got, start, end)
+    assert torch.equal(got[:, :45], want) and got[:, 45:].isnan().all()
+
+
 def test_int8_matmul_turns_a_nan_or_infinite_x_row_into_nans(kernel: GGUFKernel) -> None:
     """No 8-bit value can stand for them: that row's outputs are NaN (the float path's are NaN or
     infinite), the other rows as without them."""

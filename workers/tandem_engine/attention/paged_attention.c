@@ -102,6 +102,19 @@ static inline void prefetch(const char *p, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);  /* into L2: L1 holds the block being read */
 }
 
+/* The slices [off, off + bytes) of n tokens of tok_bytes each from p: a row's KV heads of one block, the
+ * whole block when they are all of them. */
+static inline void prefetch_heads(const char *p, int64_t n, int64_t tok_bytes, int64_t off, int64_t bytes) {
+    if (bytes == tok_bytes) {
+        prefetch(p, n * tok_bytes);
+        return;
+    }
+    for (int64_t o = 0; o < n; o++) {
+        const char *s = p + o * tok_bytes + off, *line = (const char *)((uintptr_t)s & ~(uintptr_t)63);
+        prefetch(line, s + bytes - line);
+    }
+}
+
 /* Where block `i` of a row's table starts in `cache`, as bytes (NULL past the row's last block). */
 static const char *block_at(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen) {
     if (i * j->bs >= klen) return NULL;
@@ -109,56 +122,61 @@ static const char *block_at(const job_t *j, const void *cache, const int32_t *bt
     return (const char *)cache + (int64_t)bt[i] * j->bs * j->nkv * j->d * elem;
 }
 
-static void one(const job_t *j, int64_t r, float *sc) {
+/* Query heads [h0, h1) of work row r, with one thread's scratch sc: scores and accumulators at every head's
+ * own place whatever the range, so a head's floats do not depend on which heads share its call. noinline:
+ * the whole-row kernel and the head-range entry run this one copy. */
+static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int h1, float *sc) {
     const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv, nq = j->nq;
     const int64_t row = j->rows[r], klen = j->klens[r];
     const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
     const float *q = j->q + row * j->q_tok_stride;
     float *acc = sc + (int64_t)nq * klen, *wide = acc + (int64_t)nq * d;
-    const int64_t tok_stride = (int64_t)nkv * d, tok_bytes = tok_stride * (j->kv_type == KV_F32 ? 4 : 2);
+    const int64_t elem = j->kv_type == KV_F32 ? 4 : 2, tok_stride = (int64_t)nkv * d, tok_bytes = tok_stride * elem;
+    /* the bytes of a token that the range reads: its KV heads h0 / g .. (h1 - 1) / g */
+    const int64_t head_off = (int64_t)(h0 / g) * d * elem;
+    const int64_t head_bytes = (int64_t)((h1 - 1) / g + 1 - h0 / g) * d * elem;
     for (int64_t i = 0; i < PREFETCH_AHEAD; i++) {  /* the first blocks of K, and of V for after the softmax */
         const char *kp = block_at(j, j->kc, bt, i, klen), *vp = block_at(j, j->vc, bt, i, klen);
-        if (kp) prefetch(kp, (int64_t)bs * tok_bytes);
-        if (vp) prefetch(vp, (int64_t)bs * tok_bytes);
+        if (kp) prefetch_heads(kp, bs, tok_bytes, head_off, head_bytes);
+        if (vp) prefetch_heads(vp, bs, tok_bytes, head_off, head_bytes);
     }
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
         const char *next = block_at(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen);
         for (int64_t o = 0; o < n; o++) {
-            if (next) prefetch(next + o * tok_bytes, tok_bytes);  /* the whole block over the loop */
-            for (int hi = 0; hi < nq; hi++)  /* query head hi reads kv head hi / g */
+            if (next)  /* the block over the loop */
+                prefetch_heads(next + o * tok_bytes, 1, tok_bytes, head_off, head_bytes);
+            for (int hi = h0; hi < h1; hi++)  /* query head hi reads kv head hi / g */
                 sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         }
     }
-    for (int hi = 0; hi < nq; hi++) {
+    for (int hi = h0; hi < h1; hi++) {
         float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
         for (int64_t p = 0; p < klen; p++) m = s[p] > m ? s[p] : m;
         for (int64_t p = 0; p < klen; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
         const float inv = 1.f / sum;
         for (int64_t p = 0; p < klen; p++) s[p] *= inv;
     }
-    memset(acc, 0, sizeof(float) * nq * d);
+    memset(acc + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
         const char *next = block_at(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen);
-        if (next) prefetch(next, (int64_t)bs * tok_bytes);
-        for (int h = 0; h < nkv; h++) {
-            for (int gi = 0; gi < g; gi++) {
-                const int hi = h * g + gi;
-                const float *w = sc + hi * klen + p0;
-                float *a = acc + hi * d;
-                if (d % 8 == 0) {
-                    axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
-                    continue;
-                }
-                for (int64_t o = 0; o < n; o++)
-                    for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
+        if (next) prefetch_heads(next, bs, tok_bytes, head_off, head_bytes);
+        for (int hi = h0; hi < h1; hi++) {  /* query head hi = h * g + gi reads kv head h */
+            const int h = hi / g;
+            const float *w = sc + hi * klen + p0;
+            float *a = acc + hi * d;
+            if (d % 8 == 0) {
+                axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
+                continue;
             }
+            for (int64_t o = 0; o < n; o++)
+                for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
         }
     }
-    memcpy(j->out + row * nq * d, acc, sizeof(float) * nq * d);
+    memcpy(j->out + (row * nq + h0) * d, acc + h0 * d, sizeof(float) * (h1 - h0) * d);
 }
 
 int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
@@ -176,7 +194,19 @@ int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc,
     {
         float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < n_rows; r++) one(&j, r, sc);
+        for (int64_t r = 0; r < n_rows; r++) one(&j, r, 0, nq, sc);
     }
     return 0;
+}
+
+/* Query heads [h0, h1) of one decode row (q [nq, D], out [nq, D]: the row's own; table: the row's blocks;
+ * klen: the keys it attends; scratch: one thread's scratch_per_thread floats), exactly as
+ * tandem_paged_attention computes them: the fused decode step (models/gguf_decode.c) splits rows and their
+ * heads over its threads itself. */
+void tandem_paged_attention_heads(const float *q, const void *kc, const void *vc, int kv_type, const int32_t *table,
+                                  int64_t klen, float *out, float *scratch, int nq, int nkv, int d, int bs,
+                                  float scale, int h0, int h1) {
+    const int64_t zero = 0;
+    const job_t j = {q, 0, kc, vc, kv_type, table, 0, &zero, &zero, &klen, out, scratch, 0, 1, nq, nkv, d, bs, scale};
+    one(&j, 0, h0, h1, scratch);
 }

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import default_cache_dir
-from tandem_engine.kernels.build import base_flags, try_build
+from tandem_engine.kernels.build import address, base_flags, try_build
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +43,28 @@ _KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.cache  # one attempt per directory
-def load_kernel(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
-    `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible."""
+    `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
+    `tandem_paged_attention` (decode rows over threads) and `tandem_paged_attention_heads` (a head range of
+    one row)."""
     lib = try_build("paged_attention", _KERNEL_SRC, (*base_flags(), "-ffast-math"), cache_dir,
                     "using the torch SDPA path")
     if lib is None:
         return None
-    fn = lib.tandem_paged_attention
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = i32
-    return fn
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.tandem_paged_attention.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32,
+                                           f32, i32]
+    lib.tandem_paged_attention.restype = i32
+    lib.tandem_paged_attention_heads.argtypes = [p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, f32, i32, i32]
+    lib.tandem_paged_attention_heads.restype = None
+    return lib
+
+
+def kernel_scratch(nq: int, nkv: int, d: int, block_size: int, max_klen: int) -> int:
+    """Floats of scratch the kernel needs per thread: scores and accumulators, then one block widened from a
+    16-bit cache."""
+    return nq * (max_klen + d) + block_size * nkv * d
 
 
 @dataclass
@@ -104,6 +114,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: _Plan | None = None
         self._scratch = torch.empty(0)
 
+    @property
+    def heads_kernel(self) -> int | None:
+        """Where the kernel's head-range entry is (for the fused decode step, models/gguf_decode.py); None
+        when the kernel is off."""
+        return None if self._kernel is None else address(self._kernel, "tandem_paged_attention_heads")
+
     def write_kv(
         self,
         key: torch.Tensor,  # [T, nkv, D]
@@ -149,8 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
                 seqs += [i] * q
                 klens += range(slens[i] - q + 1, slens[i] + 1)
         if rows:
-            # scores and accumulators, then one block widened from a 16-bit cache
-            scratch = g * nkv * (max(klens) + d) + block_size * nkv * d
+            scratch = kernel_scratch(g * nkv, nkv, d, block_size, max(klens))
             kernel = _KernelRows(torch.tensor(rows), torch.tensor(seqs), torch.tensor(klens), scratch)
         dec = [i for i, q in enumerate(qlens) if q == 1 and not use_kernel]
         if dec:
@@ -250,7 +265,7 @@ class TorchAttentionBackend(AttentionBackend):
         if table.dtype != torch.int32 or table.stride(1) != 1:
             table = table.to(torch.int32).contiguous()
         _, nq, d = query.shape
-        self._kernel(
+        self._kernel.tandem_paged_attention(
             query.data_ptr(),
             query.stride(0),
             k_cache.data_ptr(),

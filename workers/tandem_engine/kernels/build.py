@@ -86,6 +86,12 @@ def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Pat
     return ctypes.CDLL(str(so))
 
 
+def address(lib: ctypes.CDLL, name: str) -> int:
+    """Where C function `name` of `lib` is: for a kernel that calls another through a function pointer
+    (models/gguf_decode.c), so that each is built once, with its own flags."""
+    return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
+
+
 @functools.cache  # one attempt per kernel, flags and directory
 def try_build(name: str, source: str, flags: tuple[str, ...], cache_dir: Path, fallback: str) -> ctypes.CDLL | None:
     """`build_library`, or None with a warning naming `fallback` (what runs instead) if it cannot be built."""

@@ -22,7 +22,9 @@ static int threads_for(int64_t rows, int64_t n, int n_threads) {
     return n_threads < 1 ? 1 : n_threads;
 }
 
-static void add_rms_norm_row(float *x, const float *delta, const float *w, float *out, int64_t n, float eps) {
+/* One row of tandem_add_rms_norm (delta NULL: no add); an entry point of its own for the fused decode step
+ * (models/gguf_decode.c), which shares rows out over its threads itself. */
+void tandem_add_rms_norm_row(float *x, const float *delta, const float *w, float *out, int64_t n, float eps) {
     if (delta)
         for (int64_t i = 0; i < n; i++) x[i] += delta[i];
     /* Eight independent partial sums in a fixed order: vectorisable without reassociating anything. */
@@ -44,7 +46,7 @@ void tandem_add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t
     const int nt = threads_for(rows, n, n_threads);
     #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t r = 0; r < rows; r++)
-        add_rms_norm_row(x + r * x_stride, delta ? delta + r * delta_stride : NULL, w, out + r * n, n, eps);
+        tandem_add_rms_norm_row(x + r * x_stride, delta ? delta + r * delta_stride : NULL, w, out + r * n, n, eps);
 }
 
 /* e^x for x in [-87, 88] (callers clamp): x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two so that
@@ -65,7 +67,9 @@ static inline float exp_small(float x) {
     return p * scale.f;
 }
 
-static void silu_mul_row(const float *g, const float *u, float *out, int64_t n) {
+/* out [n] = silu(g [n]) * u [n]: one row of tandem_silu_mul, or any run of its columns (the fused decode
+ * step's threads take 32 columns at a time). */
+void tandem_silu_mul_row(const float *g, const float *u, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         /* Below -88, exp(-g) overflows as torch's does (silu = -0); above 87 it is below float's
          * resolution next to 1. */
@@ -80,5 +84,5 @@ void tandem_silu_mul(const float *gu, int64_t gu_stride, float *out, int64_t row
     const int nt = threads_for(rows, n, n_threads);
     #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t r = 0; r < rows; r++)
-        silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, n);
+        tandem_silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, n);
 }

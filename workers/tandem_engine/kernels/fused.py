@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem_engine.kernels.build import base_flags, try_build
+from tandem_engine.kernels.build import address, base_flags, try_build
 
 _SRC = (Path(__file__).parent / "fused.c").read_text()
 
@@ -31,6 +31,14 @@ class FusedOps:
             lib.tandem_add_rms_norm.restype = None
             lib.tandem_silu_mul.argtypes = [p, i64, p, i64, i64, i32]
             lib.tandem_silu_mul.restype = None
+
+    @property
+    def row_entries(self) -> dict[str, int] | None:
+        """Where the one-row kernels are, for the fused decode step (models/gguf_decode.py); None: torch's ops."""
+        if self._lib is None:
+            return None
+        return {"add_rms_norm_row": address(self._lib, "tandem_add_rms_norm_row"),
+                "silu_mul_row": address(self._lib, "tandem_silu_mul_row")}
 
     @property
     def native(self) -> bool:

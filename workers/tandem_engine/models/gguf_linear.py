@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem_engine.kernels.build import base_flags, build_library
+from tandem_engine.kernels.build import address, base_flags, build_library
 
 # ggml type id -> (weights per block, bytes per block)
 BLOCKS = {3: (32, 20), 8: (32, 34)}  # Q4_1, Q8_0
@@ -70,6 +70,18 @@ class GGUFKernel:
         self._matmul_q8 = lib.tandem_gguf_matmul_q8
         self._matmul_q8.argtypes = [p, i64, i64, p, i32, i64, i64, p, i64, i32]
         self._matmul_q8.restype = i32
+        self._quantize_x = lib.tandem_gguf_quantize_x
+        self._quantize_x.argtypes = [p, i64, i64, i64, i64, i64, p]
+        self._quantize_x.restype = None
+        self._matmul_q8_cols = lib.tandem_gguf_matmul_q8_cols
+        self._matmul_q8_cols.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64]
+        self._matmul_q8_cols.restype = None
+        self.xq8_bytes = lib.tandem_gguf_xq8_bytes  # (m, k) -> bytes of m rows of k quantized
+        self.xq8_bytes.argtypes = [i64, i64]
+        self.xq8_bytes.restype = i64
+        # matmul_q8's two halves, for the fused decode step (gguf_decode.py) to call from its own threads
+        self.entries = {"quantize": address(lib, "tandem_gguf_quantize_x"),
+                        "matmul_cols": address(lib, "tandem_gguf_matmul_q8_cols")}
         self._dequantize = lib.tandem_gguf_dequantize
         self._dequantize.argtypes = [p, i32, i64, p, i64, p, i32]
         self._dequantize.restype = i32
@@ -92,6 +104,21 @@ class GGUFKernel:
                              out.data_ptr(), out.stride(0), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"gguf int8 matmul failed ({rc})")
+
+    def quantize_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] float32 (rows at any stride, columns contiguous) quantized as `matmul_q8` quantizes it,
+        into a new buffer for `matmul_q8_cols`."""
+        m, k = x.shape
+        buf = torch.zeros(self.xq8_bytes(m, k), dtype=torch.uint8)
+        self._quantize_x(x.data_ptr(), x.stride(0), m, k, 0, m * (k // 32), buf.data_ptr())
+        return buf
+
+    def matmul_q8_cols(self, xq: torch.Tensor, m: int, w: QuantizedWeight, out: torch.Tensor, start: int,
+                       end: int) -> None:
+        """Columns [start, end) of out [m, w.rows] (rows at any stride) = x @ W.T, from x quantized into `xq`
+        by `quantize_x`: what one thread of `matmul_q8` computes."""
+        self._matmul_q8_cols(xq.data_ptr(), m, w.data.data_ptr(), w.qtype, w.cols, start, end, out.data_ptr(),
+                             out.stride(0))
 
     def dequantize(self, w: QuantizedWeight, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,13 +12,16 @@
  * reused from registers; output rows (of W) are split over OpenMP threads. That is tandem_gguf_matmul,
  * the float32 reference; tandem_gguf_matmul_q8 (the default for a few rows, below) instead quantizes x to
  * int8 per block of 32, as llama.cpp does, and takes integer dot products of the blocks (AVX-512 VNNI or
- * AVX2), which is what makes a decode step memory bound rather than bound by unpacking to float.
+ * AVX2), which is what makes a decode step memory bound rather than bound by unpacking to float. Its two
+ * halves are entry points of their own, tandem_gguf_quantize_x and tandem_gguf_matmul_q8_cols (a range of
+ * output columns), which the fused decode step (gguf_decode.c) calls from its own threads.
  *
  * Built twice from this one file: with -march=native (the AVX2/FMA/F16C path below when the CPU has them,
  * VNNI too where it has AVX-512 VNNI/VL) and without (the portable scalar path), which the tests check
  * against each other and a reference. */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,8 +212,20 @@ typedef struct {
     int8_t *q;  /* [m, nb * 32] */
     float *d;   /* [m, nb] d_x */
     float *s;   /* [nb, m] s_x = d_x * sum(q_x): block-major, so a tile's rows lie side by side (+ TILE
-                 * zeros, so that 8 of them can be loaded from the last tile) */
+                 * floats, so that 8 of them can be loaded from the last tile into lanes that are dropped) */
 } xq8;
+
+/* The quantized x of m rows of k lies in one buffer of tandem_gguf_xq8_bytes(m, k) bytes: q, then d, then s. */
+int64_t tandem_gguf_xq8_bytes(int64_t m, int64_t k) {
+    const int64_t nb = k / QK;
+    return m * nb * QK + (int64_t)sizeof(float) * (2 * m * nb + TILE);
+}
+
+static xq8 xq8_at(const void *buf, int64_t m, int64_t nb) {
+    int8_t *q = (int8_t *)buf;
+    float *d = (float *)(q + m * nb * QK); /* m * nb * 32 bytes: d stays float-aligned */
+    return (xq8){q, d, d + m * nb};
+}
 
 #if SIMD
 /* 32 values of x to int8: roundf(v / d) as trunc(q), + sign(q) where |q - trunc(q)| >= 0.5 (exact: the
@@ -270,23 +285,27 @@ static inline float block_amax(const float *v) {
 }
 #endif
 
-static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t nb, xq8 *xq) {
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * ldx + b * QK;
-            int8_t *q = xq->q + (r * nb + b) * QK;
-            const float amax = block_amax(v);
-            /* A NaN or infinity in the block: d = s = NaN, so that the row's outputs are NaN, as the
-             * float path's would be NaN or infinite (no finite q could stand for it). */
-            const float d = amax <= FLT_MAX ? amax / 127.f : NAN;
-            int sum = 0;
-            if (d > 0.f)
-                sum = quantize_block(v, d, q);
-            else
-                memset(q, 0, QK);
-            xq->d[r * nb + b] = d;
-            xq->s[b * m + r] = d * (float)sum;
-        }
+/* Blocks [i0, i1) of x [m, k] (block i: row i / nb, block i % nb of the row) into buf, the quantized x of
+ * tandem_gguf_xq8_bytes(m, k) bytes. Blocks are independent: callers may split them over threads. */
+void tandem_gguf_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
+    const int64_t nb = k / QK;
+    const xq8 xq = xq8_at(buf, m, nb);
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t r = i / nb, b = i % nb;
+        const float *v = x + r * ldx + b * QK;
+        int8_t *q = xq.q + i * QK;
+        const float amax = block_amax(v);
+        /* A NaN or infinity in the block: d = s = NaN, so that the row's outputs are NaN, as the
+         * float path's would be NaN or infinite (no finite q could stand for it). */
+        const float d = amax <= FLT_MAX ? amax / 127.f : NAN;
+        int sum = 0;
+        if (d > 0.f)
+            sum = quantize_block(v, d, q);
+        else
+            memset(q, 0, QK);
+        xq.d[i] = d;
+        xq.s[b * m + r] = d * (float)sum;
+    }
 }
 
 /* The 8 lanes added as hsum() adds them: (l0+l4 + l2+l6) + (l1+l5 + l3+l7). */
@@ -402,6 +421,24 @@ static void row_tile_q8(const uint8_t *row, int qtype, int64_t nb, const int8_t 
     }
 }
 
+/* Output columns [i0, i1) of y [m, n] (row stride ldy) = x @ W^T, from x quantized into buf by
+ * tandem_gguf_quantize_x: what one thread of tandem_gguf_matmul_q8 computes. W is [n, k] (columns i0 and on
+ * of y are rows i0 and on of W). */
+void tandem_gguf_matmul_q8_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0,
+                                int64_t i1, float *y, int64_t ldy) {
+    const int64_t bb = block_bytes(qtype), nb = k / QK;
+    const xq8 xq = xq8_at(buf, m, nb);
+    for (int64_t i = i0; i < i1; i++) {
+        const uint8_t *row = w + i * nb * bb;
+        for (int64_t r0 = 0; r0 < m; r0 += TILE) {
+            const int mr = (int)(m - r0 < TILE ? m - r0 : TILE);
+            float out[TILE], mins[TILE];
+            row_tile_q8(row, qtype, nb, xq.q + r0 * nb * QK, xq.d + r0 * nb, xq.s + r0, m, mr, out, mins);
+            for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + i] = qtype == Q4_1 ? out[r] + mins[r] : out[r];
+        }
+    }
+}
+
 /* tandem_gguf_matmul with x quantized to 8 bits per block of 32 (above): same arguments and returns. */
 int tandem_gguf_matmul_q8(const float *x, int64_t ldx, int64_t m, const uint8_t *w, int qtype, int64_t n,
                           int64_t k, float *y, int64_t ldy, int threads) {
@@ -413,25 +450,17 @@ int tandem_gguf_matmul_q8(const float *x, int64_t ldx, int64_t m, const uint8_t 
             for (int64_t i = 0; i < n; i++) y[r * ldy + i] = 0.f;
         return 0;
     }
-    xq8 xq = {malloc((size_t)(m * nb * QK)), malloc(sizeof(float) * (size_t)(m * nb)),
-              calloc((size_t)(m * nb + TILE), sizeof(float))};
-    if (!xq.q || !xq.d || !xq.s) {
-        free(xq.q), free(xq.d), free(xq.s);
-        return -2;
-    }
-    quantize_rows(x, ldx, m, nb, &xq);
+    void *buf = calloc(1, (size_t)tandem_gguf_xq8_bytes(m, k));
+    if (!buf) return -2;
+    tandem_gguf_quantize_x(x, ldx, m, k, 0, m * nb, buf);
     if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = w + i * nb * bb;
-        for (int64_t r0 = 0; r0 < m; r0 += TILE) {
-            const int mr = (int)(m - r0 < TILE ? m - r0 : TILE);
-            float out[TILE], mins[TILE];
-            row_tile_q8(row, qtype, nb, xq.q + r0 * nb * QK, xq.d + r0 * nb, xq.s + r0, m, mr, out, mins);
-            for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + i] = qtype == Q4_1 ? out[r] + mins[r] : out[r];
-        }
+    /* Output rows split as schedule(static) would: one contiguous range per thread. */
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        tandem_gguf_matmul_q8_cols(buf, m, w, qtype, k, n * t / nt, n * (t + 1) / nt, y, ldy);
     }
-    free(xq.q), free(xq.d), free(xq.s);
+    free(buf);
     return 0;
 }
 
