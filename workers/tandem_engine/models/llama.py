@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     ops: rolling the last dim by D/2 gives (x2, x1).
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class DecodeStep(Protocol):
+    """A whole decode step in one call (models/gguf_decode.py): the embedded tokens x [T, hidden] through
+    every layer and the final norm, as the layer loop computes it."""
+
+    row_limit: int  # steps of this many rows or more run op by op
+
+    def refusal(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+        """Why this step must run op by op, or None."""
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, transposed: bool = False) -> nn.Parameter:
@@ -262,6 +275,7 @@ class LlamaForCausalLM(nn.Module):
         # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
         self.quantized_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.quantized_head: QuantizedLinear | None = None
+        self.decode_step: DecodeStep | None = None  # runs the decode steps it takes (models/gguf_decode.py)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
@@ -290,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
             x = self.quantized_embedding(input_ids)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
+        if self.decode_step is not None and self.decode_step.refusal(meta, kv_caches) is None:
+            return self.decode_step(x, positions, kv_caches, meta)
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         layers = [cast(DecoderLayer, layer) for layer in self.layers]

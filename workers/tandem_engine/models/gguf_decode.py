@@ -1,0 +1,202 @@
+"""One C call per decode step under `--quantization gguf` (docs/architecture.md, "One C call per decode step").
+
+Run op by op, a decode step of SmolLM2 is ~150 OpenMP parallel regions (every projection, norm, activation
+and attention call of 30 layers), and since an engine waits passively (cpu_budget.py: an idle engine must
+not spin) each region wakes sleeping threads. `GGUFDecodeStep` runs every layer of a decode step, up to the
+final norm, in one region of `gguf_decode.c`, which calls the very kernels the op-by-op path calls (the int8
+matmul, the fused norm and SiLU rows, the paged attention) so that both paths give the same floats. The
+embedding lookup and the head stay where they are (two more regions).
+
+`fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
+step runs fused when every row is a decode row, there are fewer rows than the int8 kernel takes (24:
+`DENSE_FROM_ROWS`) and the KV cache is float32. Any other step runs op by op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.attention.torch_backend import TorchAttentionBackend, kernel_scratch
+from tandem_engine.kernels.build import base_flags, try_build
+from tandem_engine.models.gguf_linear import GGUFKernel, GGUFLinear
+from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
+
+_SRC = (Path(__file__).parent / "gguf_decode.c").read_text()
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # in gguf_decode.c's layer_t order
+
+p_, i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+# The structures of gguf_decode.c, field for field.
+class _Part(ctypes.Structure):
+    _fields_ = [("data", p_), ("rows", i64), ("qtype", i64)]
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("parts", ctypes.POINTER(_Part)), ("n_parts", i64), ("cols", i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [*((name, _Proj) for name in _PROJECTIONS), ("post_attn_norm", p_), ("next_norm", p_)]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, p_) for name in ("quantize", "matmul_cols", "add_rms_norm_row", "silu_mul_row",
+                                        "attention_heads")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("k", _Kernels), ("layers", ctypes.POINTER(_Layer)),
+                *((name, i64) for name in ("n_layers", "hidden", "inter", "nq", "nkv", "d")),
+                ("first_norm", p_), ("rope_cos", p_), ("rope_sin", p_), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("m", i64), *((name, p_) for name in ("x", "h", "positions", "slots", "klens", "table")),
+                ("table_stride", i64), ("bs", i64),
+                *((name, p_) for name in ("kv", "qkv", "attn", "o", "gu", "act", "down", "xq", "scratch")),
+                ("scratch_per_thread", i64)]
+
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class GGUFDecodeStep:
+    """A decode step of `model` in one call: x [T, hidden] (the embedded tokens, one per sequence) through
+    every layer and the final norm. `row_entries`, `heads_kernel`: the fused row kernels' and the attention
+    kernel's entry points (FusedOps.row_entries, TorchAttentionBackend.heads_kernel)."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, kernel: GGUFKernel, row_entries: dict[str, int],
+                 heads_kernel: int) -> None:
+        self._fn = lib.tandem_gguf_decode
+        self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        first = layers[0]
+        self.nq, self.nkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
+        self.hidden, self.inter = model.hidden_size, first.inter
+        linears = [{name: cast(GGUFLinear, layer.quantized[name]) for name in _PROJECTIONS} for layer in layers]
+        # From this many rows on the op-by-op path dequantizes instead of running the int8 kernel.
+        self.row_limit = min(p.dense_from_rows for lin in linears for p in lin.values())
+        self._keep: list[Any] = []  # what the C structures point into
+        next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
+        table = (_Layer * len(layers))(*(
+            _Layer(*(self._proj(lin[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
+                   norm.data_ptr())
+            for layer, lin, norm in zip(layers, linears, next_norms, strict=True)))
+        entries = {**kernel.entries, **row_entries, "attention_heads": heads_kernel}
+        self._model = _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv,
+                             self.d, first.input_norm.data_ptr(), model.rope_cos.data_ptr(),
+                             model.rope_sin.data_ptr(), first.eps, first.scale)
+        self._keep.append(table)
+        self.max_positions = model.rope_cos.shape[0]
+        rows = self.row_limit - 1
+        widths = {"qkv": (self.nq + 2 * self.nkv) * self.d, "attn": self.nq * self.d, "o": self.hidden,
+                  "gu": 2 * self.inter, "act": self.inter, "down": self.hidden}
+        self._work = {name: torch.empty(rows * w) for name, w in widths.items()}
+        # zeroed once: the tail the matmul reads past the last rows is never written
+        self._xq = torch.zeros(kernel.xq8_bytes(rows, max(widths["attn"], self.hidden, self.inter)),
+                               dtype=torch.uint8)
+        self._scratch = torch.empty(0)
+        self._kv: tuple[KVCaches, ctypes.Array[ctypes.c_void_p]] | None = None
+
+    def _proj(self, linear: GGUFLinear) -> _Proj:
+        parts = (_Part * len(linear.parts))(*(_Part(p.data.data_ptr(), p.rows, p.qtype) for p in linear.parts))
+        self._keep.append(parts)
+        return _Proj(parts, len(linear.parts), linear.out_features)
+
+    def refusal(self, meta: AttentionMetadata, kv_caches: KVCaches) -> str | None:
+        """Why this step runs op by op, or None: it runs fused."""
+        if not meta.is_pure_decode:
+            return "a prefill row in the batch"
+        if meta.num_seqs >= self.row_limit:
+            return f"{meta.num_seqs} rows (fused below {self.row_limit})"
+        if kv_caches[0][0].dtype != torch.float32:
+            return f"a {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV cache (fused: float32)"
+        if meta.max_seq_len > self.max_positions:
+            return f"a position past the RoPE table's {self.max_positions}"
+        return None
+
+    def _kv_pointers(self, kv_caches: KVCaches) -> ctypes.Array[ctypes.c_void_p]:
+        """Every layer's K and V cache, as gguf_decode.c's step_t.kv (kept while the runner passes the same list)."""
+        if self._kv is None or self._kv[0] is not kv_caches:
+            if not all(c.is_contiguous() and c.dtype == torch.float32 and c.device.type == "cpu"
+                       for kv in kv_caches for c in kv):
+                raise ValueError("the fused decode step takes contiguous float32 CPU KV caches")
+            self._kv = kv_caches, (ctypes.c_void_p * (2 * len(kv_caches)))(
+                *(c.data_ptr() for kv in kv_caches for c in kv))
+        return self._kv[1]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] float32 contiguous, updated in place (the residual stream) -> [T, hidden] through the
+        final norm. `refusal(meta, kv_caches)` must be None."""
+        m = x.shape[0]
+        h = torch.empty_like(x)
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        klens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+        table = meta.block_table.to(torch.int32).contiguous()
+        bs = kv_caches[0][0].shape[1]
+        threads = torch.get_num_threads()
+        per_thread = kernel_scratch(self.nq, self.nkv, self.d, bs, meta.max_seq_len)
+        if self._scratch.numel() < threads * per_thread:
+            self._scratch = torch.empty(threads * per_thread)
+        w = self._work
+        step = _Step(m, x.data_ptr(), h.data_ptr(), positions.data_ptr(), slots.data_ptr(), klens.data_ptr(),
+                     table.data_ptr(), table.stride(0), bs, ctypes.cast(self._kv_pointers(kv_caches), p_),
+                     w["qkv"].data_ptr(), w["attn"].data_ptr(), w["o"].data_ptr(), w["gu"].data_ptr(),
+                     w["act"].data_ptr(), w["down"].data_ptr(), self._xq.data_ptr(), self._scratch.data_ptr(),
+                     per_thread)
+        rc = self._fn(ctypes.byref(self._model), ctypes.byref(step), threads)
+        if rc:
+            raise RuntimeError(f"gguf decode step failed ({rc})")
+        return h
+
+
+def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> str | None:
+    """Why `model` cannot take the fused step at all, or None."""
+    if model.quantization != "gguf":
+        return f"--quantization {model.quantization}, not gguf"
+    if kv_dtype != torch.float32:
+        return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: float32)"
+    if model.ops.row_entries is None:
+        return "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
+    if not isinstance(backend, TorchAttentionBackend) or backend.heads_kernel is None:
+        return "the C attention kernel is off (--no-cpu-attention-kernel, or no C compiler)"
+    layers = [cast(DecoderLayer, layer) for layer in model.layers]
+    if any(layer.qk_norm for layer in layers):
+        return "q and k are RMS-normalised per head (Qwen3)"
+    for layer in layers:
+        for name in _PROJECTIONS:
+            linear = layer.quantized.get(name)
+            if not isinstance(linear, GGUFLinear) or not linear.int8_activations:
+                return f"a {name} projection not on the int8 GGUF kernel"
+            if linear.bias is not None:
+                return f"a {name} projection with a bias"
+    return None
+
+
+def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype,
+                      cache_dir: Path) -> str | None:
+    """From now on run `model`'s decode steps fused where they qualify (`model.decode_step`), with the
+    kernel built under `cache_dir`; or say why they cannot be (and leave the model as it was)."""
+    reason = _unfit(model, backend, kv_dtype)
+    if reason is not None:
+        return reason
+    lib = try_build("gguf_decode", _SRC, (*base_flags(), "-ffp-contract=off"), cache_dir,
+                    "decode steps run op by op")
+    if lib is None:
+        return "its C kernel did not build"
+    layer = cast(DecoderLayer, model.layers[0])
+    kernel = cast(GGUFLinear, layer.quantized["qkv"]).kernel
+    row_entries, heads_kernel = model.ops.row_entries, cast(TorchAttentionBackend, backend).heads_kernel
+    assert row_entries is not None and heads_kernel is not None
+    model.decode_step = GGUFDecodeStep(lib, model, kernel, row_entries, heads_kernel)
+    return None
