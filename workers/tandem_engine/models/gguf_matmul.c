@@ -464,6 +464,11 @@ int tandem_gguf_matmul_q8(const float *x, int64_t ldx, int64_t m, const uint8_t 
     return 0;
 }
 
+/* Values below which a dequantization stays on the calling thread: a decode step's embedding lookup (a
+ * few rows of 576) is microseconds of work, where forking the thread pool wakes sleeping threads for
+ * ~0.2 ms (an engine waits passively, cpu_budget.py). A weight (a prefill's projections) is still split. */
+#define MIN_DEQUANTIZE_VALUES 65536
+
 /* out[i * k + j] = W[rows[i], j] as float32 (rows NULL: row i), each value d * q (+ m) rounded as the
  * gguf package's dequantization rounds it (this file is built with -ffp-contract=off). */
 int tandem_gguf_dequantize(const uint8_t *w, int qtype, int64_t k, const int64_t *rows, int64_t n, float *out,
@@ -471,7 +476,7 @@ int tandem_gguf_dequantize(const uint8_t *w, int qtype, int64_t k, const int64_t
     const int64_t bb = block_bytes(qtype), nb = k / QK;
     if (!bb || k % QK || n < 0) return -1;
     if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= MIN_DEQUANTIZE_VALUES)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = w + (rows ? rows[i] : i) * nb * bb;
         for (int64_t b = 0; b < nb; b++) {
