@@ -1,5 +1,5 @@
-"""Builders for engine tests: tiny HF configs, paged-cache metadata, a dense attention reference, and a
-read-only cache directory."""
+"""Builders for engine tests: tiny HF configs, paged-cache metadata, a dense attention reference, a
+read-only cache directory, and greedy requests served through an in-process EngineCore."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,6 +18,11 @@ import torch
 from tandem_engine.attention.interface import AttentionMetadata
 from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.models.llama import LlamaForCausalLM
+from tandem_engine.request import Request
+from tandem_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem_engine.core.engine_core import EngineCore
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
@@ -216,3 +221,18 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def serve(core: EngineCore, prompts: list[list[int]], tag: str, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs and cached prompt tokens of every prompt, run as one batch through `core`'s scheduler
+    (request ids `tag` + index)."""
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        core.add_request(Request(rid, p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), [0]))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached: dict[str, int] = {}
+    while core.has_requests:
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+            cached.setdefault(o.request_id, o.num_cached_tokens)
+    return [tokens[r] for r in ids], [cached[r] for r in ids]

