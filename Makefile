@@ -43,6 +43,7 @@ bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/serving.py
 	$(PY) bench/engine_profile.py --batch 32 --prompt-len 256 --output-len 128
 	$(PY) bench/profile_step.py
+	$(PY) bench/fused_decode.py
 	$(PY) bench/migration.py
 	$(PY) bench/overload.py
 
