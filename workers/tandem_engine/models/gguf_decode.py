@@ -5,7 +5,7 @@ and attention call of 30 layers), and since an engine waits passively (cpu_budge
 not spin) each region wakes sleeping threads. `GGUFDecodeStep` runs every layer of a decode step, up to the
 final norm, in one region of `gguf_decode.c`, which calls the very kernels the op-by-op path calls (the int8
 matmul, the fused norm and SiLU rows, the paged attention) so that both paths give the same floats. The
-embedding lookup and the head stay where they are (two more regions).
+embedding lookup and the head stay where they are (the head is one more region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
 step runs fused when every row is a decode row, there are fewer rows than the int8 kernel takes (24:
