@@ -29,6 +29,7 @@ def run_step(
     bs: int = BS,
     kv_dtype: torch.dtype | None = None,
     v_scale: float = 1.0,
+    q_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill each sequence's earlier context into its blocks, write this step's K/V, attend; return
     (backend output, reference output), both [T, NQ, D]. A `kv_dtype` cache (default: `dtype`) stores
@@ -62,7 +63,7 @@ def run_step(
         v_cache,
         meta.slot_mapping,
     )
-    query = torch.randn(sum(query_lens), nq, d, generator=g).to(dtype)
+    query = (torch.randn(sum(query_lens), nq, d, generator=g) * q_scale).to(dtype)
     scale = d**-0.5
     out = backend.forward(query, k_cache, v_cache, meta, scale)
     ref, start = [], 0
@@ -104,6 +105,16 @@ def test_head_layouts_at_block_size_16(heads: tuple[int, int, int], use_kernel: 
     """Decode rows, a long prefill with context and a short chunk, at the engine's block size."""
     tables = [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]]
     out, ref = run_step([1, 20, 3, 1], [40, 20, 35, 17], tables, use_kernel=use_kernel, heads=heads, bs=16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_scale", [10.0, 60.0])
+def test_kernel_softmax_over_scores_far_apart(q_scale: float) -> None:
+    """Scores tens to thousands apart (the kernel's vectorized exp underflows to 0 below -87): the weights
+    still match torch's softmax, over context lengths that end mid-vector and mid-block."""
+    tables = [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]]
+    out, ref = run_step([1, 1, 1, 1], [40, 20, 35, 17], tables, use_kernel=True, heads=(9, 3, 64), bs=16,
+                        q_scale=q_scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
