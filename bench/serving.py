@@ -3,8 +3,11 @@ batched `generate` on the same prompts, measured in the same run on the same mac
 
     .venv/bin/python bench/serving.py                 # or: make bench
     .venv/bin/python bench/serving.py --skip-hf       # only the server
+    .venv/bin/python bench/serving.py --skip-hf --server-env OMP_WAIT_POLICY=ACTIVE \
+        --out bench/results/serving_omp_active.json   # engine threads spin at barriers (a machine to itself)
 
-Writes bench/results/serving.json and bench/results/serving.md.
+tandem runs in float32 unless --dtype says otherwise: the numerics of the target. Writes
+bench/results/serving.json and bench/results/serving.md (or --out and its .md).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def main() -> None:
     # float32: the numerics the target is set in (`auto` is bfloat16 on CPUs with native bf16, docs/operations.md)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--server-args", default="", help="extra `tandem serve` flags")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for `tandem serve` (e.g. OMP_WAIT_POLICY=ACTIVE), repeatable")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers baselines to run")
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
@@ -92,8 +97,9 @@ def main() -> None:
     ceiling = roofline(a.concurrency, a.input_len, a.output_len)  # before anything else runs
     print(json.dumps(ceiling, indent=1), flush=True)
     extra = ["--dtype", a.dtype, "--max-num-seqs", str(max(a.concurrency, 32)), *a.server_args.split()]
+    env = dict(kv.split("=", 1) for kv in a.server_env)
     server = tandem_child("serve", "serve", ["--model", MODEL, *extra], Path("/tmp") / f"tandem-bench-{a.port}.log",
-                          port=a.port).start()
+                          port=a.port, env=env or None).start()
     try:
         startup_s = server.wait_healthy(3600)
         print(f"server ready in {startup_s:.1f}s", flush=True)
@@ -138,13 +144,16 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
         "",
         f"{r['config']['num_prompts']} streamed requests, concurrency {r['config']['concurrency']}, "
         f"~{r['config']['input_len']} prompt tokens, {r['config']['output_len']} output tokens (ignore_eos), "
-        f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py`."
+        f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py"
+        + "".join(f" --server-env {kv}" for kv in r["config"].get("server_env", []))
+        + (" --skip-hf" if r["config"].get("skip_hf") else "") + "`."
         + (f" 1-minute load average {r['load_average']['start']:.2f} before the run, "
            f"{r['load_average']['end']:.2f} after." if "load_average" in r else ""),
         "",
         "| system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
         "|---|---|---|---|",
-        f"| tandem serve ({r['config']['dtype']}) | {s['output_throughput']:.1f} | "
+        f"| tandem serve ({' '.join([r['config']['dtype'], *r['config'].get('server_env', [])])}) | "
+        f"{s['output_throughput']:.1f} | "
         f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | "
         f"{s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} |",
     ]
