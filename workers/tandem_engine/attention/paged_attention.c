@@ -3,7 +3,6 @@
  * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
  * holds float32, bfloat16 or float16 (kv_type 0, 1, 2); a 16-bit block is widened to float32 in a per-thread
  * buffer before use, so the arithmetic is float32 whatever the cache holds (docs/architecture.md). */
-#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -54,7 +53,6 @@ static const float *block_f32(const job_t *j, const void *cache, int64_t off, in
 
 /* 8 floats in a vector register (GCC/Clang vector extension; aligned(4): loads need no alignment). */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 #define V8(p) (*(const v8 *)(p))
 
 static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
@@ -80,56 +78,19 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* a where m is set (all ones), b elsewhere. */
-static inline v8 select8(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }
-
-/* e^x in 8 lanes, within about an ulp of expf (Cephes' range reduction and polynomial); 0 below -87.3,
- * where float runs out of normal numbers (softmax inputs are at most 0). Finite inputs only, and no
- * rounding tricks that -ffast-math (which this file is built with) may fold away: n = floor(x / ln 2 + 1/2)
- * comes from a truncating conversion, corrected where it rounded up. */
-static inline v8 vexp(v8 x) {
-    const v8 lo = {-87.33654f, -87.33654f, -87.33654f, -87.33654f, -87.33654f, -87.33654f, -87.33654f, -87.33654f};
-    const v8 hi = {88.37626f, 88.37626f, 88.37626f, 88.37626f, 88.37626f, 88.37626f, 88.37626f, 88.37626f};
-    const v8i in_range = x >= lo;
-    const v8 c = select8(x <= hi, select8(in_range, x, lo), hi);
-    const v8 fx = c * 1.44269504088896341f + 0.5f;
-    v8i ni = __builtin_convertvector(fx, v8i);  /* toward zero */
-    v8 n = __builtin_convertvector(ni, v8);
-    const v8i up = n > fx;                      /* -1 where truncation went up (negative fx) */
-    ni += up;
-    n += __builtin_convertvector(up, v8);
-    const v8 r = (c - n * 0.693359375f) - n * -2.12194440e-4f;  /* c - n ln 2, ln 2 in two parts */
-    v8 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.f;
-    return (v8)(((v8i)y + (ni << 23)) & in_range);  /* y * 2^n, or 0 */
-}
-
 /* acc [d] += sum over the block's n tokens of w[o] * v[o * stride : + d], for d a multiple of 8: each
  * 8-float slice of acc stays in registers for the whole block. */
 static inline void axpy_block_v8(float *acc, const float *w, const float *v, int64_t n, int64_t stride, int d) {
     for (int x = 0; x < d; x += 8) {
-        v8 r0 = V8(acc + x);
-        for (int64_t o = 0; o < n; o++) r0 += w[o] * V8(v + o * stride + x);
-        *(v8 *)(acc + x) = r0;
+        v8 r0 = V8(acc + x), r1 = {0};
+        int64_t o = 0;
+        for (; o + 2 <= n; o += 2) {
+            r0 += w[o] * V8(v + o * stride + x);
+            r1 += w[o + 1] * V8(v + (o + 1) * stride + x);
+        }
+        if (o < n) r0 += w[o] * V8(v + o * stride + x);
+        *(v8 *)(acc + x) = r0 + r1;
     }
-}
-
-/* axpy_block_v8 with 64 floats of acc held in registers at a time: each token's row of v is read once
- * per 64 floats rather than once per 8. */
-static inline void axpy_block(float *acc, const float *w, const float *v, int64_t n, int64_t stride, int d) {
-    int x = 0;
-    for (; x + 64 <= d; x += 64) {
-        v8 a[8];
-        for (int c = 0; c < 8; c++) a[c] = V8(acc + x + 8 * c);
-        for (int64_t o = 0; o < n; o++)
-            for (int c = 0; c < 8; c++) a[c] += w[o] * V8(v + o * stride + x + 8 * c);
-        for (int c = 0; c < 8; c++) *(v8 *)(acc + x + 8 * c) = a[c];
-    }
-    if (x < d) axpy_block_v8(acc + x, w, v + x, n, stride, d - x);
 }
 
 /* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
@@ -152,32 +113,6 @@ static inline void prefetch_heads(const char *p, int64_t n, int64_t tok_bytes, i
         const char *s = p + o * tok_bytes + off, *line = (const char *)((uintptr_t)s & ~(uintptr_t)63);
         prefetch(line, s + bytes - line);
     }
-}
-
-/* s [n] becomes softmax(s), 8 lanes at a time (the max, e^(s - max) and their sum). */
-static void softmax(float *s, int64_t n) {
-    v8 mv = (v8){0} - FLT_MAX;
-    int64_t p = 0;
-    for (; p + 8 <= n; p += 8) mv = select8(V8(s + p) > mv, V8(s + p), mv);
-    float m = -FLT_MAX;
-    for (int x = 0; x < 8; x++) m = mv[x] > m ? mv[x] : m;
-    for (; p < n; p++) m = s[p] > m ? s[p] : m;
-    v8 sum = {0};
-    for (p = 0; p + 8 <= n; p += 8) {
-        const v8 e = vexp(V8(s + p) - m);
-        *(v8 *)(s + p) = e;
-        sum += e;
-    }
-    if (p < n) {  /* the last n - p scores, the other lanes far below (vexp gives them 0) */
-        v8 t = (v8){0} - FLT_MAX;
-        for (int x = 0; x < n - p; x++) t[x] = s[p + x];
-        const v8 e = vexp(t - m);
-        for (int x = 0; x < n - p; x++) s[p + x] = e[x];
-        sum += e;
-    }
-    const float inv = 1.f / hsum8(sum);
-    for (p = 0; p + 8 <= n; p += 8) *(v8 *)(s + p) = V8(s + p) * inv;
-    for (; p < n; p++) s[p] *= inv;
 }
 
 /* Where block `i` of a row's table starts in `cache`, as bytes (NULL past the row's last block). */
@@ -216,7 +151,13 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
                 sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         }
     }
-    for (int hi = h0; hi < h1; hi++) softmax(sc + hi * klen, klen);
+    for (int hi = h0; hi < h1; hi++) {
+        float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < klen; p++) m = s[p] > m ? s[p] : m;
+        for (int64_t p = 0; p < klen; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < klen; p++) s[p] *= inv;
+    }
     memset(acc + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
@@ -228,7 +169,7 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
             const float *w = sc + hi * klen + p0;
             float *a = acc + hi * d;
             if (d % 8 == 0) {
-                axpy_block(a, w, vb + h * d, n, tok_stride, d);
+                axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
                 continue;
             }
             for (int64_t o = 0; o < n; o++)
