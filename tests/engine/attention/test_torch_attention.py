@@ -168,6 +168,27 @@ def test_bfloat16_close_to_reference() -> None:
 KV16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_model_decode_rows_take_the_kernel_in_float32(dtype: str) -> None:
+    """A bfloat16 or float16 model's decode rows go through the C kernel: exactly its float32 answer over the
+    same cache and the widened query, rounded to the model's dtype; a prefill chunk in the same step stays
+    on SDPA; everything is close to the torch-only path."""
+    dt = KV16[dtype]
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(NUM_BLOCKS, 16, 3, 64, generator=g).to(dt) for _ in range(2))
+    meta = make_meta([1, 5, 1], [40, 21, 7], [[5, 30, 12], [7, 2], [21]], 16)
+    q = torch.randn(7, 9, 64, generator=g).to(dt)
+    kernel = TorchAttentionBackend(use_kernel=True)
+    out = kernel.forward(q, k_cache, v_cache, meta, 0.125)
+    assert out.dtype == dt
+    wide = kernel.forward(q.float(), k_cache, v_cache, meta, 0.125)
+    decode_rows = [0, 6]
+    assert torch.equal(out[decode_rows], wide[decode_rows].to(dt))
+    torch_only = TorchAttentionBackend(use_kernel=False).forward(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(out[1:6], torch_only[1:6])  # the chunk's rows: the same SDPA call
+    torch.testing.assert_close(out.float(), torch_only.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("kv", KV16)
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "c_kernel"])
 @pytest.mark.parametrize("case", CASES)

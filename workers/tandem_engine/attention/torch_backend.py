@@ -6,11 +6,12 @@ every key and value of every sequence on every layer, and on CPU that copy costs
 attention. Each query row is one work item that streams its blocks (every block a contiguous
 [block_size, nkv, D] chunk) once for all heads, so K/V are never repeated per query head.
 Longer chunks use one SDPA per sequence (its GEMMs beat the kernel's dot products there) over
-gathered blocks, with a causal mask offset by the cached context. Without a compiler, or for other
-query dtypes, decode rows fall back to a gathered, padded, masked batch SDPA.
+gathered blocks, with a causal mask offset by the cached context. Without a compiler decode rows fall
+back to a gathered, padded, masked batch SDPA. The kernel computes in float32: a bfloat16 or float16
+model's rows widen for it and their outputs round back to the model's dtype.
 The cache may hold a narrower dtype than the model computes in (`--kv-cache-dtype`): keys and values are
-rounded to it when written and widened back to the query's dtype when read, by the kernel for a float32
-query over a float32, bfloat16 or float16 cache, and by `.to()` after the gather on the SDPA paths.
+rounded to it when written and widened when read: to float32 by the kernel, to the query's dtype by
+`.to()` after the gather on the SDPA paths.
 The per-step plan depends only on the metadata: built once per step, reused by every layer. Padding
 slots are masked, not zeroed, so the cache must never hold NaN/inf (allocate it with torch.zeros).
 """
@@ -137,7 +138,7 @@ class TorchAttentionBackend(AttentionBackend):
         return (
             self._kernel is not None
             and query.device.type == "cpu"
-            and query.dtype == torch.float32
+            and query.dtype in _KERNEL_KV_TYPES  # a 16-bit query widens to float32 for it (_run_kernel)
             and k_cache.dtype in _KERNEL_KV_TYPES
             and query.stride(2) == 1
             and query.stride(1) == query.shape[2]
@@ -265,6 +266,13 @@ class TorchAttentionBackend(AttentionBackend):
         if table.dtype != torch.int32 or table.stride(1) != 1:
             table = table.to(torch.int32).contiguous()
         _, nq, d = query.shape
+        # The kernel computes in float32: a 16-bit model's query rows widen for it and their outputs round
+        # back to the model's dtype (more exact than the 16-bit SDPA path, and one OpenMP region per layer
+        # instead of a dozen ops).
+        wide = query.dtype != torch.float32
+        if wide:
+            query = query.float()
+            dest, out = out, torch.empty(out.shape, dtype=torch.float32)
         self._kernel.tandem_paged_attention(
             query.data_ptr(),
             query.stride(0),
@@ -287,6 +295,11 @@ class TorchAttentionBackend(AttentionBackend):
             scale,
             threads,
         )
+        if wide:
+            if kr.rows.numel() == out.shape[0]:
+                dest.copy_(out)
+            else:
+                dest.index_copy_(0, kr.rows, out.index_select(0, kr.rows).to(dest.dtype))
 
     def _sdpa_decode(
         self,
