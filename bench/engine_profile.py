@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/engine_profile.py --batch 32 --prompt-len 256 --output-len 128 [--profile]
 
-Prints tok/s of the whole run and the split of one decode step between the model's forward, the
-attention backend, sampling and the Python around them.
+Prints tok/s of the whole run, how long its prefill phase (the steps until every request has its first
+token) and its decode phase took, and with --profile the split of decode steps between the model's
+forward, the attention backend, sampling and the Python around them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     prof = cProfile.Profile() if a.profile else None
     t0 = time.perf_counter()
     steps, decode_times, n_out = 0, [], 0
+    started: set[str] = set()
+    phase = {"prefill": 0.0, "decode": 0.0}
     while core.has_requests:
         ts = time.perf_counter()
         if prof and steps == 5:
@@ -52,13 +55,17 @@ def main() -> None:
         if prof and steps == 15:
             prof.disable()
         steps += 1
+        phase["prefill" if len(started) < a.batch else "decode"] += time.perf_counter() - ts
+        started.update(o.request_id for o in outs)
         n_out += sum(len(o.new_token_ids) for o in outs)
         if steps > 2:
             decode_times.append(time.perf_counter() - ts)
     dt = time.perf_counter() - t0
     decode_times.sort()
     print(f"{n_out} tokens in {dt:.2f}s = {n_out / dt:.1f} tok/s; {steps} steps; decode step "
-          f"p50 {decode_times[len(decode_times) // 2] * 1e3:.1f} ms, threads {torch.get_num_threads()}")
+          f"p50 {decode_times[len(decode_times) // 2] * 1e3:.1f} ms, threads {torch.get_num_threads()}, "
+          f"dtype {core.runner.dtype}; prefill phase {phase['prefill']:.2f}s, decode phase "
+          f"{phase['decode']:.2f}s")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
