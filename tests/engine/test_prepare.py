@@ -22,3 +22,24 @@ def test_prepare_builds_the_cache_a_start_reads(tmp_path: Path) -> None:
 def test_prepare_refuses_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert prepare.main(["--model", str(tmp_path / "nope.gguf"), "--cache-dir", str(tmp_path)]) == 2
     assert "error:" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_prepare_builds_every_kernel_a_start_loads(tmp_path: Path) -> None:
+    """After prepare, an engine's start (dense or `--quantization gguf`) loads every C kernel from the cache:
+    none is compiled again, so a baked read-only cache starts warm."""
+    from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.kernels.fused import load_fused_ops
+    from tandem_engine.models.gguf_decode import load_decode_kernel
+    from tandem_engine.models.gguf_linear import load_gguf_kernel
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
+    cache = tmp_path / "cache"
+    assert prepare.main(["--model", str(gguf), "--cache-dir", str(cache)]) == 0
+    built = {p.name for p in (cache / "kernels").glob("*.so")}
+    assert {name.split("_")[0] for name in built} >= {"paged", "fused", "gguf"}
+    assert any(n.startswith("gguf_matmul_") for n in built) and any(n.startswith("gguf_decode_") for n in built)
+    load_gguf_kernel.cache_clear()  # a start is a fresh process: nothing remembered from prepare
+    assert load_kernel(cache) is not None and load_fused_ops(cache).native
+    assert load_decode_kernel(cache) is not None
+    load_gguf_kernel(cache)
+    assert {p.name for p in (cache / "kernels").glob("*.so")} == built

@@ -1,5 +1,6 @@
 """Build what an engine would otherwise build at its first start: the model cache of a GGUF model and the
-CPU attention kernel, into a cache directory. The worker image runs it at build time so that pods start
+CPU kernels (attention, fused norm and activation, and `--quantization gguf`'s matmul and fused decode
+step), into a cache directory. The worker image runs it at build time so that pods start
 warm from a read-only cache (docs/operations.md, "Start-up and the model cache"):
 
     python -m tandem_engine.prepare --model smollm2-135m-instruct --cache-dir /opt/tandem/cache
@@ -19,17 +20,23 @@ logger = logging.getLogger(__name__)
 
 
 def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
-    """Build the model's cache (a GGUF's; nothing for a safetensors directory) and, with `kernel`, the CPU
-    kernels (attention, fused norm and activation) under `cache_dir`. Returns the model's safetensors
-    directory. Raises RuntimeError if a kernel cannot be built."""
+    """Build the model's cache (a GGUF's; nothing for a safetensors directory) and, with `kernel`, every CPU
+    kernel an engine may build at start (attention, fused norm and activation; for `--quantization gguf`
+    its matmul and fused decode step) under `cache_dir`. Returns the model's safetensors directory. Raises
+    RuntimeError if a kernel cannot be built."""
     from tandem_engine.attention.torch_backend import load_kernel
     from tandem_engine.kernels.fused import load_fused_ops
+    from tandem_engine.models.gguf_decode import load_decode_kernel
+    from tandem_engine.models.gguf_linear import load_gguf_kernel
     from tandem_engine.models.loader import resolve_model, weights_dir
 
     t0 = time.perf_counter()
     d = weights_dir(resolve_model(model, cache_dir))
-    if kernel and (load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native):
-        raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
+    if kernel:
+        load_gguf_kernel(cache_dir)  # RuntimeError naming the flag if it cannot be built
+        if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
+                or load_decode_kernel(cache_dir) is None:
+            raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
     logger.info("[startup] prepared %s in %s in %.1fs", model, d, time.perf_counter() - t0)
     return d
 
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem_engine.prepare", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=defaults.model, help="as `tandem serve --model`")
     p.add_argument("--cache-dir", default=defaults.cache_dir, help="as `tandem serve --cache-dir`")
-    p.add_argument("--no-kernel", action="store_true", help="skip the CPU attention kernel")
+    p.add_argument("--no-kernel", action="store_true", help="skip the CPU kernels")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -183,6 +183,13 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
     return None
 
 
+def load_decode_kernel(cache_dir: Path) -> ctypes.CDLL | None:
+    """The fused decode step's C kernel, built once under `cache_dir` (kernels/build.py); None, with a
+    warning, when it cannot be."""
+    return try_build("gguf_decode", _SRC, (*base_flags(), "-ffp-contract=off"), cache_dir,
+                     "decode steps run op by op")
+
+
 def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype,
                       cache_dir: Path) -> str | None:
     """From now on run `model`'s decode steps fused where they qualify (`model.decode_step`), with the
@@ -190,8 +197,7 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
     reason = _unfit(model, backend, kv_dtype)
     if reason is not None:
         return reason
-    lib = try_build("gguf_decode", _SRC, (*base_flags(), "-ffp-contract=off"), cache_dir,
-                    "decode steps run op by op")
+    lib = load_decode_kernel(cache_dir)
     if lib is None:
         return "its C kernel did not build"
     layer = cast(DecoderLayer, model.layers[0])
