@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -151,9 +152,13 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
         f"{r['config']['num_prompts']} streamed requests, concurrency {r['config']['concurrency']}, "
         f"~{r['config']['input_len']} prompt tokens, {r['config']['output_len']} output tokens (ignore_eos), "
         f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py"
+        + (f" --dtype {r['config']['dtype']}" if r["config"]["dtype"] != "float32" else "")
+        + (f" --server-args={shlex.quote(r['config']['server_args'])}" if r["config"].get("server_args") else "")
         + "".join(f" --server-env {kv}" for kv in r["config"].get("server_env", []))
         + (" --skip-hf" if r["config"].get("skip_hf") else "")
-        + (f" --reps {r['config']['reps']}" if r["config"].get("reps", 1) > 1 else "") + "`."
+        + (f" --reps {r['config']['reps']}" if r["config"].get("reps", 1) > 1 else "")
+        + (f" --out bench/results/{Path(r['config']['out']).name}" if Path(r["config"]["out"]).name != "serving.json"
+           else "") + "`."
         + (f" 1-minute load average {r['load_average']['start']:.2f} before the run, "
            f"{r['load_average']['end']:.2f} after." if "load_average" in r else ""),
         "",
