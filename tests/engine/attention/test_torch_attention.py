@@ -118,7 +118,8 @@ def test_kernel_softmax_over_scores_far_apart(q_scale: float) -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [(6, 2, 8), (9, 3, 64), (6, 2, 12)], ids=["d8", "smollm2", "d12_scalar"])
+@pytest.mark.parametrize("heads", [(6, 2, 8), (9, 3, 64), (8, 2, 128), (6, 2, 12)],
+                         ids=["d8", "smollm2", "d128_group_of_4", "d12_scalar"])
 def test_kernel_head_ranges_are_the_whole_rows_heads(heads: tuple[int, int, int], tmp_path: Path) -> None:
     """The head-range entry (which the fused decode step splits a row's heads over threads with) writes
     exactly what the whole-row kernel writes for those heads, however the heads are cut."""

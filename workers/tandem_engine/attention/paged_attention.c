@@ -93,13 +93,76 @@ static inline void axpy_block_v8(float *acc, const float *w, const float *v, int
     }
 }
 
+/* 16 floats in a vector register (two on a CPU without AVX-512). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define V16(p) (*(const v16 *)(p))
+
+/* For nh query heads that read the same KV head: acc[k * acc_stride : + 64] += sum over the block's n tokens
+ * of w[k * w_stride + o] * v[o * stride : + 64], in token order, one fused multiply-add per token and
+ * lane. All nh * 4 accumulators stay in registers over the block and each V row is loaded once for the nh
+ * heads, so the adds do not wait on one another. */
+static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64_t acc_stride, const float *w,
+                                                              int64_t w_stride, const float *v, int64_t n,
+                                                              int64_t stride, const int nh) {
+    v16 a[3][4];
+    for (int k = 0; k < nh; k++)
+        for (int c = 0; c < 4; c++) a[k][c] = V16(acc + k * acc_stride + 16 * c);
+    for (int64_t o = 0; o < n; o++) {
+        const float *vr = v + o * stride;
+        const v16 x0 = V16(vr), x1 = V16(vr + 16), x2 = V16(vr + 32), x3 = V16(vr + 48);
+        for (int k = 0; k < nh; k++) {
+            const float wk = w[k * w_stride + o];
+            a[k][0] += wk * x0; a[k][1] += wk * x1; a[k][2] += wk * x2; a[k][3] += wk * x3;
+        }
+    }
+    for (int k = 0; k < nh; k++)
+        for (int c = 0; c < 4; c++) *(v16 *)(acc + k * acc_stride + 16 * c) = a[k][c];
+}
+
+static inline float hsum16(v16 v) {
+    const v8 lo = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
+    const v8 hi = {v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
+    return hsum8(lo + hi);
+}
+
+/* For nh query heads that read the same KV head, the scores of the block's n tokens:
+ * s[k * s_stride + o] = scale * q[k * d : + d] . kb[o * stride : + d], for d a multiple of 64. Each K row is
+ * loaded once for the nh heads, and a score costs one horizontal sum. A head's arithmetic is the same
+ * whatever nh is, so its scores do not depend on which heads share the call. */
+static inline __attribute__((always_inline)) void scores_heads64(float *s, int64_t s_stride, const float *q, int d,
+                                                                const float *kb, int64_t n, int64_t stride,
+                                                                float scale, const int nh) {
+    for (int64_t o = 0; o < n; o++) {
+        const float *kr = kb + o * stride;
+        v16 p[3];
+        for (int k = 0; k < nh; k++) p[k] = (v16){0};
+        for (int x = 0; x < d; x += 64) {
+            const v16 k0 = V16(kr + x), k1 = V16(kr + x + 16), k2 = V16(kr + x + 32), k3 = V16(kr + x + 48);
+            for (int k = 0; k < nh; k++) {
+                const float *qk = q + k * d + x;
+                p[k] += (V16(qk) * k0 + V16(qk + 16) * k1) + (V16(qk + 32) * k2 + V16(qk + 48) * k3);
+            }
+        }
+        for (int k = 0; k < nh; k++) s[k * s_stride + o] = hsum16(p[k]) * scale;
+    }
+}
+
 /* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
- * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. */
+ * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. On x86 the
+ * request is an asm statement: GCC deletes a loop of __builtin_prefetch as dead code from -O1 on, and did
+ * so here until the test that reads the built object for prefetch instructions caught it. */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
 #endif
+static inline void prefetch_line(const char *p) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
 static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);  /* into L2: L1 holds the block being read */
+    for (int64_t c = 0; c < bytes; c += 64) prefetch_line(p + c);  /* into L2: L1 holds the block being read */
 }
 
 /* The slices [off, off + bytes) of n tokens of tok_bytes each from p: a row's KV heads of one block, the
@@ -147,9 +210,20 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
         for (int64_t o = 0; o < n; o++) {
             if (next)  /* the block over the loop */
                 prefetch_heads(next + o * tok_bytes, 1, tok_bytes, head_off, head_bytes);
-            for (int hi = h0; hi < h1; hi++)  /* query head hi reads kv head hi / g */
-                sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
+            if (d % 64 != 0)
+                for (int hi = h0; hi < h1; hi++)  /* query head hi reads kv head hi / g */
+                    sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         }
+        if (d % 64 == 0)
+            for (int hi = h0; hi < h1;) {  /* up to three heads of kv head h at once */
+                const int h = hi / g, end = (h + 1) * g < h1 ? (h + 1) * g : h1, nh = end - hi > 3 ? 3 : end - hi;
+                float *s = sc + hi * klen + p0;
+                const float *kh = kb + h * d, *qh = q + hi * d;
+                if (nh == 3) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, 3);
+                else if (nh == 2) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, 2);
+                else scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, 1);
+                hi += nh;
+            }
     }
     for (int hi = h0; hi < h1; hi++) {
         float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
@@ -164,16 +238,25 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
         const char *next = block_at(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen);
         if (next) prefetch_heads(next, bs, tok_bytes, head_off, head_bytes);
-        for (int hi = h0; hi < h1; hi++) {  /* query head hi = h * g + gi reads kv head h */
+        for (int hi = h0; hi < h1;) {  /* query head hi = h * g + gi reads kv head h */
             const int h = hi / g;
             const float *w = sc + hi * klen + p0;
             float *a = acc + hi * d;
-            if (d % 8 == 0) {
-                axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
+            if (d % 64 == 0) {  /* up to three heads of kv head h at once */
+                const int end = (h + 1) * g < h1 ? (h + 1) * g : h1, nh = end - hi > 3 ? 3 : end - hi;
+                for (int x = 0; x < d; x += 64) {
+                    if (nh == 3) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, 3);
+                    else if (nh == 2) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, 2);
+                    else axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, 1);
+                }
+                hi += nh;
                 continue;
             }
-            for (int64_t o = 0; o < n; o++)
-                for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
+            if (d % 8 == 0) axpy_block_v8(a, w, vb + h * d, n, tok_stride, d);
+            else
+                for (int64_t o = 0; o < n; o++)
+                    for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
+            hi++;
         }
     }
     memcpy(j->out + (row * nq + h0) * d, acc + h0 * d, sizeof(float) * (h1 - h0) * d);

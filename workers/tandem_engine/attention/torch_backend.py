@@ -49,8 +49,13 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
     `tandem_paged_attention` (decode rows over threads) and `tandem_paged_attention_heads` (a head range of
     one row)."""
-    lib = try_build("paged_attention", _KERNEL_SRC, (*base_flags(), "-ffast-math"), cache_dir,
-                    "using the torch SDPA path")
+    return build_kernel(_KERNEL_SRC, cache_dir)
+
+
+def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") -> ctypes.CDLL | None:
+    """Build and load a paged-attention kernel `source` (load_kernel's, or another version of it, as
+    bench/attention_kernel.py compares) with its entries' signatures set; None if it cannot be built."""
+    lib = try_build(name, source, (*base_flags(), "-ffast-math"), cache_dir, "using the torch SDPA path")
     if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
