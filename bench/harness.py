@@ -48,7 +48,7 @@ def bench_main(name: str, args: argparse.Namespace, run: Runner, table: Callable
     print(f"scratch and logs in {work}; 1-minute load average {load[0]:.2f}", flush=True)
     res = asyncio.run(run(args, work))
     load.append(os.getloadavg()[0])
-    res = {"command": f"python bench/{name}.py " + " ".join(sys.argv[1:]),
+    res = {"command": " ".join(["python", f"bench/{name}.py", *sys.argv[1:]]),
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load,
            "config": vars(args), **res}
     write_results(name, res, table(res), plot)
