@@ -93,6 +93,31 @@ static inline void axpy_block_v8(float *acc, const float *w, const float *v, int
     }
 }
 
+/* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
+ * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. On x86 the
+ * request is an asm statement: GCC deletes a loop of __builtin_prefetch as dead code from -O1 on, and did
+ * so here until the test that reads the built object for prefetch instructions caught it. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
+static inline void prefetch_line(const char *p) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) prefetch_line(p + c);  /* into L2: L1 holds the block being read */
+}
+
+/* A run of lines to request a few at a time, spread over the computation of the block before it: a
+ * whole block requested at once fills the core's miss buffers, and the computation then waits for it. */
+typedef struct { const char *p; int64_t left; } pf_stream;
+static inline void pf_step(pf_stream *s, int64_t lines) {
+    for (; lines > 0 && s->left > 0; lines--, s->p += 64, s->left -= 64) prefetch_line(s->p);
+}
+
 /* 16 floats in a vector register (two on a CPU without AVX-512). */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define V16(p) (*(const v16 *)(p))
@@ -103,11 +128,13 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
  * heads, so the adds do not wait on one another. */
 static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64_t acc_stride, const float *w,
                                                               int64_t w_stride, const float *v, int64_t n,
-                                                              int64_t stride, const int nh) {
+                                                              int64_t stride, pf_stream *pf, int64_t per,
+                                                              const int nh) {
     v16 a[3][4];
     for (int k = 0; k < nh; k++)
         for (int c = 0; c < 4; c++) a[k][c] = V16(acc + k * acc_stride + 16 * c);
     for (int64_t o = 0; o < n; o++) {
+        pf_step(pf, per);
         const float *vr = v + o * stride;
         const v16 x0 = V16(vr), x1 = V16(vr + 16), x2 = V16(vr + 32), x3 = V16(vr + 48);
         for (int k = 0; k < nh; k++) {
@@ -131,8 +158,10 @@ static inline float hsum16(v16 v) {
  * whatever nh is, so its scores do not depend on which heads share the call. */
 static inline __attribute__((always_inline)) void scores_heads64(float *s, int64_t s_stride, const float *q, int d,
                                                                 const float *kb, int64_t n, int64_t stride,
-                                                                float scale, const int nh) {
+                                                                float scale, pf_stream *pf, int64_t per,
+                                                                const int nh) {
     for (int64_t o = 0; o < n; o++) {
+        pf_step(pf, per);
         const float *kr = kb + o * stride;
         v16 p[3];
         for (int k = 0; k < nh; k++) p[k] = (v16){0};
@@ -145,24 +174,6 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
         }
         for (int k = 0; k < nh; k++) s[k * s_stride + o] = hsum16(p[k]) * scale;
     }
-}
-
-/* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
- * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. On x86 the
- * request is an asm statement: GCC deletes a loop of __builtin_prefetch as dead code from -O1 on, and did
- * so here until the test that reads the built object for prefetch instructions caught it. */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2
-#endif
-static inline void prefetch_line(const char *p) {
-#if defined(__x86_64__) || defined(__i386__)
-    __asm__ volatile("prefetcht1 %0" : : "m"(*p));
-#else
-    __builtin_prefetch(p, 0, 2);
-#endif
-}
-static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t c = 0; c < bytes; c += 64) prefetch_line(p + c);  /* into L2: L1 holds the block being read */
 }
 
 /* The slices [off, off + bytes) of n tokens of tok_bytes each from p: a row's KV heads of one block, the
@@ -185,6 +196,20 @@ static const char *block_at(const job_t *j, const void *cache, const int32_t *bt
     return (const char *)cache + (int64_t)bt[i] * j->bs * j->nkv * j->d * elem;
 }
 
+/* The prefetch stream for block `i` of a row's table: all of it when the row reads every KV head of a
+ * token and `spread` (requested a few lines at a time by the loops over the block before), else its
+ * slices requested now, and an empty stream. */
+static pf_stream next_block(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen,
+                            int64_t head_off, int64_t head_bytes, int spread) {
+    const char *p = block_at(j, cache, bt, i, klen);
+    const int64_t tok_bytes = (int64_t)j->nkv * j->d * (j->kv_type == KV_F32 ? 4 : 2);
+    pf_stream s = {p, 0};
+    if (!p) return s;
+    if (spread && head_bytes == tok_bytes) s.left = j->bs * tok_bytes;
+    else prefetch_heads(p, j->bs, tok_bytes, head_off, head_bytes);
+    return s;
+}
+
 /* Query heads [h0, h1) of work row r, with one thread's scratch sc: scores and accumulators at every head's
  * own place whatever the range, so a head's floats do not depend on which heads share its call. noinline:
  * the whole-row kernel and the head-range entry run this one copy. */
@@ -198,6 +223,10 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     /* the bytes of a token that the range reads: its KV heads h0 / g .. (h1 - 1) / g */
     const int64_t head_off = (int64_t)(h0 / g) * d * elem;
     const int64_t head_bytes = (int64_t)((h1 - 1) / g + 1 - h0 / g) * d * elem;
+    /* Lines of the next block to request per token step of the loops over a block (d a multiple of 64: one
+     * step per token and group of up to three heads, as many groups as KV heads when the row is whole). */
+    const int spread = d % 64 == 0;
+    const int64_t groups = (int64_t)nkv * ((g + 2) / 3), per = (bs * tok_bytes / 64 + groups * bs - 1) / (groups * bs);
     for (int64_t i = 0; i < PREFETCH_AHEAD; i++) {  /* the first blocks of K, and of V for after the softmax */
         const char *kp = block_at(j, j->kc, bt, i, klen), *vp = block_at(j, j->vc, bt, i, klen);
         if (kp) prefetch_heads(kp, bs, tok_bytes, head_off, head_bytes);
@@ -206,24 +235,22 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        const char *next = block_at(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen);
-        for (int64_t o = 0; o < n; o++) {
-            if (next)  /* the block over the loop */
-                prefetch_heads(next + o * tok_bytes, 1, tok_bytes, head_off, head_bytes);
-            if (d % 64 != 0)
+        pf_stream pf = next_block(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen, head_off, head_bytes, spread);
+        if (d % 64 != 0)
+            for (int64_t o = 0; o < n; o++)
                 for (int hi = h0; hi < h1; hi++)  /* query head hi reads kv head hi / g */
                     sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
-        }
-        if (d % 64 == 0)
+        else
             for (int hi = h0; hi < h1;) {  /* up to three heads of kv head h at once */
                 const int h = hi / g, end = (h + 1) * g < h1 ? (h + 1) * g : h1, nh = end - hi > 3 ? 3 : end - hi;
                 float *s = sc + hi * klen + p0;
                 const float *kh = kb + h * d, *qh = q + hi * d;
-                if (nh == 3) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, 3);
-                else if (nh == 2) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, 2);
-                else scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, 1);
+                if (nh == 3) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 3);
+                else if (nh == 2) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 2);
+                else scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 1);
                 hi += nh;
             }
+        pf_step(&pf, INT64_MAX);  /* what the loops did not request */
     }
     for (int hi = h0; hi < h1; hi++) {
         float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
@@ -236,8 +263,7 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        const char *next = block_at(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen);
-        if (next) prefetch_heads(next, bs, tok_bytes, head_off, head_bytes);
+        pf_stream pf = next_block(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen, head_off, head_bytes, spread);
         for (int hi = h0; hi < h1;) {  /* query head hi = h * g + gi reads kv head h */
             const int h = hi / g;
             const float *w = sc + hi * klen + p0;
@@ -245,9 +271,9 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
             if (d % 64 == 0) {  /* up to three heads of kv head h at once */
                 const int end = (h + 1) * g < h1 ? (h + 1) * g : h1, nh = end - hi > 3 ? 3 : end - hi;
                 for (int x = 0; x < d; x += 64) {
-                    if (nh == 3) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, 3);
-                    else if (nh == 2) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, 2);
-                    else axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, 1);
+                    if (nh == 3) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 3);
+                    else if (nh == 2) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 2);
+                    else axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 1);
                 }
                 hi += nh;
                 continue;
@@ -258,6 +284,7 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
                     for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
             hi++;
         }
+        pf_step(&pf, INT64_MAX);
     }
     memcpy(j->out + (row * nq + h0) * d, acc + h0 * d, sizeof(float) * (h1 - h0) * d);
 }
