@@ -95,8 +95,9 @@ static inline void axpy_block_v8(float *acc, const float *w, const float *v, int
 
 /* Blocks lie scattered over the pool, where the hardware prefetcher cannot follow: while one block is
  * computed, the one PREFETCH_AHEAD places on in the row's table is requested, a line at a time. On x86 the
- * request is an asm statement: GCC deletes a loop of __builtin_prefetch as dead code from -O1 on, and did
- * so here until the test that reads the built object for prefetch instructions caught it. */
+ * request is an asm statement: GCC 12 deleted this file's loops of __builtin_prefetch as dead code from -O1
+ * on, unseen until a test read the built object for prefetch instructions (elsewhere the builtin stays,
+ * and may be deleted the same way). */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
 #endif
