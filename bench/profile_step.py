@@ -69,7 +69,6 @@ def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) 
     runner, model = core.runner, core.runner.model
     # Every projection of a layer (dense, packed or quantized) goes through DecoderLayer._project.
     llama.DecoderLayer._project = timers.wrap("projections", llama.DecoderLayer._project)  # type: ignore[method-assign]
-    llama.apply_rope = timers.wrap("rope", llama.apply_rope)
     backend = runner.backend
     kv = runner.kv_pool
     per_token = 2 * runner.num_kv_heads * runner.head_dim * kv.element_size()  # K and V of one layer
@@ -87,6 +86,7 @@ def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) 
     for ops in {id(o): o for o in variants.values()}.values():
         ops.add_rms_norm = timers.wrap("norm_residual", ops.add_rms_norm)  # type: ignore[method-assign]
         ops.silu_mul = timers.wrap("activation", ops.silu_mul)  # type: ignore[method-assign]
+        ops.rope = timers.wrap("rope", ops.rope)  # type: ignore[method-assign]
     model.forward = timers.wrap("forward", model.forward)  # type: ignore[method-assign]
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)  # type: ignore[method-assign]
     runner.sampler = timers.wrap("sampling", runner.sampler)  # type: ignore[assignment]

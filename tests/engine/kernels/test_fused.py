@@ -1,4 +1,5 @@
-"""The fused C kernels (kernels/fused.c) against torch's own ops: residual add + RMSNorm, SiLU(gate) * up.
+"""The fused C kernels (kernels/fused.c) against torch's own ops: residual add + RMSNorm, SiLU(gate) * up,
+rotary embedding.
 
 Odd sizes (not a multiple of the kernels' 8-wide partial sums), one row, 33 rows and 257 rows (split
 between threads, not a multiple of them), strided inputs, and dtypes the kernels do not take (which must give
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps, load_fused_ops
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -82,6 +84,43 @@ def test_silu_mul_extremes_and_strided_rows(ops: FusedOps) -> None:
     ref = F.silu(gate) * up
     torch.testing.assert_close(got, ref.expand(2, n), rtol=4e-7, atol=1e-30)
     assert torch.isfinite(got).all()
+
+
+def _rope_inputs(rows: int, heads: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A QKV-like projection [rows, heads + 5, d] (its first `heads` heads are the view RoPE reads), and the
+    model's cos and sin rows for random positions."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, (heads + 5) * d, generator=g) * 3
+    freqs = torch.randint(0, 8192, (rows, 1), generator=g).float() * (10000.0 ** (-torch.arange(0, d, 2) / d))
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1).unsqueeze(1)  # [rows, 1, d]
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1).unsqueeze(1)
+    return qkv[:, : heads * d].view(rows, heads, d), cos, sin
+
+
+@pytest.mark.parametrize(("rows", "heads", "d"), [(1, 12, 64), (32, 12, 64), (33, 5, 128), (3, 1, 2),
+                                                   (257, 12, 64)])
+def test_rope_matches_torch(ops: FusedOps, rows: int, heads: int, d: int) -> None:
+    """Bit for bit what torch's three ops give (on a CPU with FMA, where torch's addcmul fuses its
+    multiply-add), over a strided view of the projection and 257 rows split between threads."""
+    x, cos, sin = _rope_inputs(rows, heads, d, rows * heads + d)
+    before = x.clone()
+    ref = torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
+    got = ops.rope(x, cos, sin)
+    assert torch.equal(x, before), "RoPE must not write its input"
+    assert got.shape == ref.shape and got.is_contiguous()
+    if "fma" in cpu_flags():
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-30)
+
+
+def test_rope_takes_torchs_path_where_the_kernel_does_not_apply(ops: FusedOps) -> None:
+    x, cos, sin = _rope_inputs(4, 3, 64, 9)
+    for args in [(x.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)),  # another dtype
+                 (x.transpose(0, 1).contiguous().transpose(0, 1), cos, sin)]:  # heads not adjacent
+        ref = torch.addcmul(args[0] * args[1], args[0].roll(32, dims=-1), args[2])
+        assert torch.equal(ops.rope(*args), ref)
+    assert torch.equal(TORCH_OPS.rope(x, cos, sin), torch.addcmul(x * cos, x.roll(32, dims=-1), sin))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])

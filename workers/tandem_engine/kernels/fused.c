@@ -4,7 +4,9 @@
  * own order of float operations wherever it is observable (docs/architecture.md, "CPU kernels"):
  *   add_rms_norm: x += delta (float adds, as x.add_(delta)); out = (x * rsqrt(mean(x^2) + eps)) * w, the
  *     mean of squares summed in double (exact products, a sum far more accurate than float's), rounded once;
- *   silu_mul: out = (g / (1 + exp(-g))) * u, with an exp within about one ulp of torch's. */
+ *   silu_mul: out = (g / (1 + exp(-g))) * u, with an exp within about one ulp of torch's;
+ *   rope: out = x * cos + rotate_half(x) * sin as torch's addcmul(x * cos, x.roll(D / 2), sin) computes it
+ *     on a CPU with FMA: the product x * cos rounded, then one fused multiply-add. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -85,4 +87,24 @@ void tandem_silu_mul(const float *gu, int64_t gu_stride, float *out, int64_t row
     #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t r = 0; r < rows; r++)
         tandem_silu_mul_row(gu + r * gu_stride, gu + r * gu_stride + n, out + r * n, n);
+}
+
+/* One row of tandem_rope: nh heads of x (head stride d) rotated by cos [d] = (cos, cos) and sin [d] =
+ * (-sin, sin) into out [nh, d]. */
+static void rope_row(const float *x, const float *c, const float *s, float *out, int64_t nh, int64_t d) {
+    const int64_t h = d / 2;
+    for (int64_t k = 0; k < nh; k++, x += d, out += d) {
+        for (int64_t i = 0; i < h; i++) out[i] = fmaf(x[i + h], s[i], x[i] * c[i]);
+        for (int64_t i = h; i < d; i++) out[i] = fmaf(x[i - h], s[i], x[i] * c[i]);
+    }
+}
+
+/* x [rows, nh, d] (row stride x_stride, heads contiguous), cos and sin [rows, d] (row stride cs_stride);
+ * out [rows, nh, d] contiguous. */
+void tandem_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t cs_stride,
+                 float *out, int64_t rows, int64_t nh, int64_t d, int n_threads) {
+    const int nt = threads_for(rows, nh * d, n_threads);
+    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < rows; r++)
+        rope_row(x + r * x_stride, cos + r * cs_stride, sin + r * cs_stride, out + r * nh * d, nh, d);
 }

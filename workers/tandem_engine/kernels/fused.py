@@ -1,4 +1,5 @@
-"""The decoder's elementwise work between its matmuls, fused: residual add + RMSNorm, and SiLU(gate) * up.
+"""The decoder's elementwise work between its matmuls, fused: residual add + RMSNorm, SiLU(gate) * up, and
+rotary embedding.
 
 `FusedOps` runs the C kernels of `fused.c` for float32 CPU tensors when they are built, and torch's ops
 otherwise (other dtypes or devices, no compiler, `--no-cpu-fused-kernels`). The torch path is the
@@ -21,7 +22,7 @@ _SRC = (Path(__file__).parent / "fused.c").read_text()
 
 
 class FusedOps:
-    """Residual add + RMSNorm and SiLU * up; `lib` None: torch's ops only."""
+    """Residual add + RMSNorm, SiLU * up and RoPE; `lib` None: torch's ops only."""
 
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         self._lib = lib
@@ -31,6 +32,8 @@ class FusedOps:
             lib.tandem_add_rms_norm.restype = None
             lib.tandem_silu_mul.argtypes = [p, i64, p, i64, i64, i32]
             lib.tandem_silu_mul.restype = None
+            lib.tandem_rope.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i32]
+            lib.tandem_rope.restype = None
 
     @property
     def row_entries(self) -> dict[str, int] | None:
@@ -77,6 +80,26 @@ class FusedOps:
         assert self._lib is not None
         self._lib.tandem_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n,
                                   torch.get_num_threads())
+        return out
+
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, n_heads, D] (may be a strided view of the QKV projection), cos [T, 1, D] = (cos, cos), sin
+        [T, 1, D] = (-sin, sin) -> new [T, n_heads, D]: the rotate-half convention of HF checkpoints,
+        (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+        t, nh, d = x.shape
+        native = (self._lib is not None and x.device.type == "cpu"
+                  and all(u.dtype == torch.float32 for u in (x, cos, sin))
+                  and x.stride(2) == 1 and x.stride(1) == d and d % 2 == 0
+                  and cos.shape == sin.shape == (t, 1, d) and cos.stride() == sin.stride()
+                  and cos.stride(2) == 1)
+        if not native:
+            # Rolling the last dim by D/2 gives (x2, x1): three ops.
+            return torch.addcmul(x * cos, x.roll(d // 2, dims=-1), sin)
+        out = torch.empty(t, nh, d, dtype=x.dtype)
+        assert self._lib is not None
+        self._lib.tandem_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                              out.data_ptr(), t, nh, d, torch.get_num_threads())
         return out
 
 

@@ -80,16 +80,6 @@ def rope_inv_freq(cfg: Any) -> torch.Tensor:
     raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n_heads, D] (may be a strided view), cos [T, 1, D] = (cos, cos), sin [T, 1, D] = (-sin, sin)
-    -> new [T, n_heads, D].
-
-    The rotate-half convention of HF checkpoints, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in three
-    ops: rolling the last dim by D/2 gives (x2, x1).
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
-
-
 class DecodeStep(Protocol):
     """A whole decode step in one call (models/gguf_decode.py): the embedded tokens x [T, hidden] through
     every layer and the final norm, as the layer loop computes it."""
@@ -223,9 +213,9 @@ class DecoderLayer(nn.Module):
             k = F.rms_norm(
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(t, nkv, d), (d,), self.k_norm, self.eps
             )
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         else:
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, nq + nkv, d), cos, sin)
+            qk = ops.rope(qkv[:, : self.q_size + self.kv_size].view(t, nq + nkv, d), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]  # [T, nq, D], [T, nkv, D]
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
