@@ -90,7 +90,7 @@ class EngineConfig:
     # Compute
     attention_backend: AttentionBackendName = "auto"
     cpu_attention_kernel: bool = True  # the C paged-attention kernel of the torch backend, where it builds
-    cpu_fused_kernels: bool = True  # C kernels for residual add + RMSNorm and SiLU * up (kernels/fused.py)
+    cpu_fused_kernels: bool = True  # C kernels for residual add + RMSNorm, SiLU * up and RoPE (kernels/fused.py)
     onednn_pack: bool = True  # oneDNN-prepacked weights for batched CPU matmuls (models/packed_linear.py)
     quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)

@@ -101,8 +101,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                          help="the torch backend's C paged-attention kernel (built on first use)")
     compute.add_argument("--cpu-fused-kernels", action=argparse.BooleanOptionalAction,
                          default=d.cpu_fused_kernels,
-                         help="C kernels for the residual add + RMSNorm and SiLU * up of a float32 model on "
-                              "the CPU (built on first use)")
+                         help="C kernels for the residual add + RMSNorm, SiLU * up and RoPE of a float32 model "
+                              "on the CPU (built on first use)")
     compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
                          help="oneDNN-prepacked weights for batched CPU matmuls")
 
