@@ -82,7 +82,6 @@ class FusedOps:
                                   torch.get_num_threads())
         return out
 
-
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, n_heads, D] (may be a strided view of the QKV projection), cos [T, 1, D] = (cos, cos), sin
         [T, 1, D] = (-sin, sin) -> new [T, n_heads, D]: the rotate-half convention of HF checkpoints,
