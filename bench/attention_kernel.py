@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,6 @@ def timed_steps(libs: dict[str, Any], a: argparse.Namespace, layout: str, shapes
                 ) -> tuple[dict[str, list[float]], int, dict[str, torch.Tensor]]:
     """Seconds per step of each kernel over `layout`'s block table, the KV bytes a step reads, and each
     kernel's output of the last step."""
-    import time
-
     layers, nq, nkv, d, bs = shapes
     rng = random.Random(0)
     klens = [a.context + rng.randrange(64) for _ in range(a.batch)]
@@ -128,9 +127,14 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return res
 
 
+def kernel_names(res: dict[str, Any]) -> list[str]:
+    """The kernels a result compares (this tree's first), as its per-layout entries name them."""
+    return [n for n in next(iter(res["layouts"].values()))
+            if n not in ("kv_bytes_per_step", "max_abs_difference", "speedup")]
+
+
 def table(res: dict[str, Any]) -> str:
-    names = [n for n in res["layouts"]["contiguous"] if n not in ("kv_bytes_per_step", "max_abs_difference",
-                                                                    "speedup")]
+    names = kernel_names(res)
     s = res["shapes"]
     lines = [f"# The C paged-attention kernel alone ({res['time']})", "",
              f"One step: {s['layers']} layers x batch {res['config']['batch']} decode rows of "
@@ -155,8 +159,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
 
     layouts = list(res["layouts"])
-    names = [n for n in res["layouts"][layouts[0]] if n not in ("kv_bytes_per_step", "max_abs_difference",
-                                                                "speedup")]
+    names = kernel_names(res)
     fig = Figure(figsize=(7, 3))
     ax = fig.subplots()
     width = 0.8 / len(names)

@@ -119,6 +119,14 @@ static inline void pf_step(pf_stream *s, int64_t lines) {
     for (; lines > 0 && s->left > 0; lines--, s->p += 64, s->left -= 64) prefetch_line(s->p);
 }
 
+/* Query heads of one KV head taken together by the head-group loops below (their accumulators fill the
+ * vector registers), and how many of them start at head hi of a range ending at h1, with g per KV head. */
+#define GROUP_MAX 3
+static inline int group_run(int hi, int h1, int g) {
+    const int end = (hi / g + 1) * g < h1 ? (hi / g + 1) * g : h1;
+    return end - hi > GROUP_MAX ? GROUP_MAX : end - hi;
+}
+
 /* 16 floats in a vector register (two on a CPU without AVX-512). */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define V16(p) (*(const v16 *)(p))
@@ -131,7 +139,7 @@ static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64
                                                               int64_t w_stride, const float *v, int64_t n,
                                                               int64_t stride, pf_stream *pf, int64_t per,
                                                               const int nh) {
-    v16 a[3][4];
+    v16 a[GROUP_MAX][4];
     for (int k = 0; k < nh; k++)
         for (int c = 0; c < 4; c++) a[k][c] = V16(acc + k * acc_stride + 16 * c);
     for (int64_t o = 0; o < n; o++) {
@@ -164,7 +172,7 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
     for (int64_t o = 0; o < n; o++) {
         pf_step(pf, per);
         const float *kr = kb + o * stride;
-        v16 p[3];
+        v16 p[GROUP_MAX];
         for (int k = 0; k < nh; k++) p[k] = (v16){0};
         for (int x = 0; x < d; x += 64) {
             const v16 k0 = V16(kr + x), k1 = V16(kr + x + 16), k2 = V16(kr + x + 32), k3 = V16(kr + x + 48);
@@ -201,9 +209,8 @@ static const char *block_at(const job_t *j, const void *cache, const int32_t *bt
  * token and `spread` (requested a few lines at a time by the loops over the block before), else its
  * slices requested now, and an empty stream. */
 static pf_stream next_block(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen,
-                            int64_t head_off, int64_t head_bytes, int spread) {
+                            int64_t tok_bytes, int64_t head_off, int64_t head_bytes, int spread) {
     const char *p = block_at(j, cache, bt, i, klen);
-    const int64_t tok_bytes = (int64_t)j->nkv * j->d * (j->kv_type == KV_F32 ? 4 : 2);
     pf_stream s = {p, 0};
     if (!p) return s;
     if (spread && head_bytes == tok_bytes) s.left = j->bs * tok_bytes;
@@ -227,7 +234,7 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     /* Lines of the next block to request per token step of the loops over a block (d a multiple of 64: one
      * step per token and group of up to three heads, as many groups as KV heads when the row is whole). */
     const int spread = d % 64 == 0;
-    const int64_t groups = (int64_t)nkv * ((g + 2) / 3), per = (bs * tok_bytes / 64 + groups * bs - 1) / (groups * bs);
+    const int64_t groups = (int64_t)nkv * ((g + GROUP_MAX - 1) / GROUP_MAX), per = (bs * tok_bytes / 64 + groups * bs - 1) / (groups * bs);
     for (int64_t i = 0; i < PREFETCH_AHEAD; i++) {  /* the first blocks of K, and of V for after the softmax */
         const char *kp = block_at(j, j->kc, bt, i, klen), *vp = block_at(j, j->vc, bt, i, klen);
         if (kp) prefetch_heads(kp, bs, tok_bytes, head_off, head_bytes);
@@ -236,14 +243,14 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        pf_stream pf = next_block(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen, head_off, head_bytes, spread);
+        pf_stream pf = next_block(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
         if (d % 64 != 0)
             for (int64_t o = 0; o < n; o++)
                 for (int hi = h0; hi < h1; hi++)  /* query head hi reads kv head hi / g */
                     sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
         else
             for (int hi = h0; hi < h1;) {  /* up to three heads of kv head h at once */
-                const int h = hi / g, end = (h + 1) * g < h1 ? (h + 1) * g : h1, nh = end - hi > 3 ? 3 : end - hi;
+                const int h = hi / g, nh = group_run(hi, h1, g);
                 float *s = sc + hi * klen + p0;
                 const float *kh = kb + h * d, *qh = q + hi * d;
                 if (nh == 3) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 3);
@@ -264,13 +271,13 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
-        pf_stream pf = next_block(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen, head_off, head_bytes, spread);
+        pf_stream pf = next_block(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
         for (int hi = h0; hi < h1;) {  /* query head hi = h * g + gi reads kv head h */
             const int h = hi / g;
             const float *w = sc + hi * klen + p0;
             float *a = acc + hi * d;
             if (d % 64 == 0) {  /* up to three heads of kv head h at once */
-                const int end = (h + 1) * g < h1 ? (h + 1) * g : h1, nh = end - hi > 3 ? 3 : end - hi;
+                const int nh = group_run(hi, h1, g);
                 for (int x = 0; x < d; x += 64) {
                     if (nh == 3) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 3);
                     else if (nh == 2) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 2);
