@@ -24,6 +24,9 @@ from tandem_engine.models import packed_linear
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
 MODEL = "smollm2-135m-instruct"
+# The two ceilings, by how a FLOP is charged (keys "<dtype>, <kind>" of `ceiling_output_tok_s`).
+EACH_SHAPE = "at each shape's rate"
+BEST_RATE = "every FLOP at its best rate"
 
 
 def shapes(cfg: Any) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
@@ -110,9 +113,9 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 20
             ps = res["gflops"][f"{name} oneDNN-packed M={batch}"] = rate(cfg, batch, dt, True, True)
             big, small = max(big, pb), max(small, ps)
         floor_s = prompt_tokens * prompt_f / (big * 1e9) + out_tokens * decode_f / (small * 1e9)
-        res["ceiling_output_tok_s"][f"{name}, at each shape's rate"] = out_tokens / floor_s
+        res["ceiling_output_tok_s"][f"{name}, {EACH_SHAPE}"] = out_tokens / floor_s
         peak = max(v for k, v in res["gflops"].items() if k.startswith(name))
-        res["ceiling_output_tok_s"][f"{name}, every FLOP at its best rate"] = out_tokens / (total / (peak * 1e9))
+        res["ceiling_output_tok_s"][f"{name}, {BEST_RATE}"] = out_tokens / (total / (peak * 1e9))
     for m in (prefill_chunk, batch):
         r = int8_rate(cfg, m)
         if r is not None:
