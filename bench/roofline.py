@@ -103,6 +103,9 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 20
         "gflop_per_prompt_token": prompt_f / 1e9, "gflop_per_output_token": decode_f / 1e9,
         "workload_tflop": total / 1e12, "gflops": {}, "ceiling_output_tok_s": {}}
     sq = torch.randn(2048, 2048)
+    # A fresh process's first second of matmuls ran at half speed (2026-12-04: 100 against 185 GFLOP/s a
+    # minute later, oneDNN's kernels being generated and pages touched): warm up before measuring.
+    _time(lambda: sq @ sq, min_s=1.0)
     res["gflops"]["float32 2048^3 (peak reference)"] = 2 * 2048**3 / _time(lambda: sq @ sq) / 1e9
     for dt in dtypes:
         name = str(dt).removeprefix("torch.")
