@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import TorchAttentionBackend, kernel_scratch, load_kernel
+from tandem_engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    _writes_in_one_pass,
+    kernel_scratch,
+    load_kernel,
+)
 from tests.engine.utils import dense_causal_attention, make_meta
 
 BS = 4
@@ -237,3 +242,40 @@ def test_write_rounds_to_the_cache_dtype_and_touches_only_its_slots() -> None:
     assert torch.equal(k_cache.view(-1, NKV, D), expect_k)
     assert torch.equal(v_cache.view(-1, NKV, D)[slots], value.to(torch.bfloat16))
     assert v_cache.view(-1, NKV, D).count_nonzero() == value.count_nonzero()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize(("tokens", "nkv", "d"), [(1, NKV, D), (32, 3, 64), (257, 1, 2), (5, 4, 128)])
+def test_float32_write_is_index_copy_over_strided_views(tokens: int, nkv: int, d: int, use_kernel: bool,
+                                                        tmp_path: Path) -> None:
+    """K and V as the layer hands them over (views into one QKV row with Q in front) land in exactly
+    their slots, bit for bit, with or without the C kernel's one-pass copy."""
+    backend = TorchAttentionBackend(use_kernel=use_kernel, cache_dir=tmp_path)
+    nq = 2 * nkv
+    qkv = torch.randn(tokens, (nq + 2 * nkv) * d)
+    key = qkv[:, nq * d : (nq + nkv) * d].view(tokens, nkv, d)
+    value = qkv[:, (nq + nkv) * d :].view(tokens, nkv, d)
+    n_slots = 2 * tokens + 16
+    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    k_cache = torch.full((n_slots // 8 + 1, 8, nkv, d), POISON)
+    v_cache = torch.full((n_slots // 8 + 1, 8, nkv, d), -POISON)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    expect_k.view(-1, nkv, d)[slots] = key
+    expect_v.view(-1, nkv, d)[slots] = value
+    assert _writes_in_one_pass(key, value, k_cache, v_cache, slots)  # the kernel's path, where it is on
+    backend.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expect_k)
+    assert torch.equal(v_cache, expect_v)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("bad", [-1, NUM_BLOCKS * BS])
+def test_write_to_a_slot_outside_the_cache_raises_and_writes_nothing(bad: int, use_kernel: bool,
+                                                                     tmp_path: Path) -> None:
+    backend = TorchAttentionBackend(use_kernel=use_kernel, cache_dir=tmp_path)
+    key, value = torch.randn(3, NKV, D), torch.randn(3, NKV, D)
+    k_cache, v_cache = torch.zeros(NUM_BLOCKS, BS, NKV, D), torch.zeros(NUM_BLOCKS, BS, NKV, D)
+    with pytest.raises(IndexError):
+        backend.write_kv(key, value, k_cache, v_cache, torch.tensor([5, bad, 7]))
+    if use_kernel:  # index_copy_ may have written the slots before the bad one; the kernel checks first
+        assert k_cache.count_nonzero() == 0 and v_cache.count_nonzero() == 0

@@ -328,3 +328,19 @@ void tandem_paged_attention_heads(const float *q, const void *kc, const void *vc
     const job_t j = {q, 0, kc, vc, kv_type, table, 0, &zero, &zero, &klen, out, scratch, 0, 1, nq, nkv, d, bs, scale};
     one(&j, 0, h0, h1, scratch);
 }
+
+/* Stores t tokens' keys and values in a float32 cache, what two index_copy_ calls do in one pass: token i's
+ * row (row floats: nkv * D) at k + i * k_stride and v + i * v_stride (strides in floats: views into the
+ * QKV projection) goes to slot slots[i] of kc and vc (slot rows of row floats). Every slot is checked
+ * before anything is written: returns the first token whose slot is outside [0, n_slots), or -1 once all
+ * are written. One thread: a decode step's rows are a few KB, a 2048-token chunk's a few MB per layer. */
+int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *kc, float *vc,
+                        const int64_t *slots, int64_t t, int64_t row, int64_t n_slots) {
+    for (int64_t i = 0; i < t; i++)
+        if (slots[i] < 0 || slots[i] >= n_slots) return i;
+    for (int64_t i = 0; i < t; i++) {
+        memcpy(kc + slots[i] * row, k + i * k_stride, sizeof(float) * row);
+        memcpy(vc + slots[i] * row, v + i * v_stride, sizeof(float) * row);
+    }
+    return -1;
+}

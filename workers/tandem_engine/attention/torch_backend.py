@@ -43,12 +43,24 @@ _KERNEL_SRC = (Path(__file__).parent / "paged_attention.c").read_text()
 _KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _writes_in_one_pass(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor) -> bool:
+    """Whether the kernel's tandem_write_kv stores these: float32 CPU tensors, each token's K and V one run
+    of floats, contiguous caches of the same shape and int64 slots."""
+    nkv, d = k_cache.shape[2], k_cache.shape[3]
+    return (all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (key, value, k_cache, v_cache))
+            and k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and all(x.shape[1:] == (nkv, d) and x.stride(2) == 1 and x.stride(1) == d for x in (key, value))
+            and key.shape[0] == value.shape[0] == slots.shape[0]
+            and slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous())
+
+
 @functools.cache  # one attempt per directory
 def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
     `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
-    `tandem_paged_attention` (decode rows over threads) and `tandem_paged_attention_heads` (a head range of
-    one row)."""
+    `tandem_paged_attention` (decode rows over threads), `tandem_paged_attention_heads` (a head range of
+    one row) and `tandem_write_kv` (a step's keys and values into a float32 cache)."""
     return build_kernel(_KERNEL_SRC, cache_dir)
 
 
@@ -64,6 +76,9 @@ def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") ->
     lib.tandem_paged_attention.restype = i32
     lib.tandem_paged_attention_heads.argtypes = [p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, f32, i32, i32]
     lib.tandem_paged_attention_heads.restype = None
+    if hasattr(lib, "tandem_write_kv"):  # older sources (bench/attention_kernel.py's baseline) lack it
+        lib.tandem_write_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
+        lib.tandem_write_kv.restype = i64
     return lib
 
 
@@ -135,6 +150,14 @@ class TorchAttentionBackend(AttentionBackend):
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
         nkv, d = k_cache.shape[2], k_cache.shape[3]
+        if self._kernel is not None and _writes_in_one_pass(key, value, k_cache, v_cache, slot_mapping):
+            n_slots = k_cache.shape[0] * k_cache.shape[1]
+            bad = self._kernel.tandem_write_kv(
+                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], nkv * d, n_slots)
+            if bad >= 0:
+                raise IndexError(f"KV slot {int(slot_mapping[bad])} is outside the cache's {n_slots} slots")
+            return
         # A 16-bit cache under a wider model rounds here (to nearest even), once per token.
         k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
