@@ -279,3 +279,44 @@ def test_write_to_a_slot_outside_the_cache_raises_and_writes_nothing(bad: int, u
         backend.write_kv(key, value, k_cache, v_cache, torch.tensor([5, bad, 7]))
     if use_kernel:  # index_copy_ may have written the slots before the bad one; the kernel checks first
         assert k_cache.count_nonzero() == 0 and v_cache.count_nonzero() == 0
+
+
+PREFILL_HEADS = [(6, 2, 16), (8, 1, 64), (4, 4, 32), (9, 3, 64), (16, 2, 128)]
+
+
+@pytest.mark.parametrize("heads", PREFILL_HEADS, ids=["g3_d16", "mqa_d64", "mha_d32", "smollm2", "g8_d128"])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([5, 9], [5, 9]), ([16, 17, 1], [16, 30, 9]), ([37, 1, 33], [37, 12, 50]), ([3, 40], [21, 63])],
+    ids=["short", "tile_edges_and_decode", "long_with_context", "chunk_after_context"],
+)
+def test_prefill_chunks_take_the_kernel_and_match_the_dense_reference(
+    query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of every length around the kernel's 16-token tiles, fresh or after cached context, beside
+    decode rows, over out-of-order blocks: the tiled causal kernel against a dense per-sequence reference."""
+    calls = []
+    real = TorchAttentionBackend._run_prefill_kernel
+
+    def counted(self: TorchAttentionBackend, *args: object) -> None:
+        calls.append(args)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", counted)
+    order = random.Random(sum(seq_lens)).sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // 16)
+        tables.append(order[used : used + n])
+        used += n
+    out, ref = run_step(query_lens, seq_lens, tables, use_kernel=True, heads=heads, bs=16, q_scale=3.0)
+    assert calls, "the prefill chunks did not reach the kernel"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_prefill_over_a_16_bit_cache_stays_on_sdpa(kv: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", None)  # calling it would fail
+    out, ref = run_step([20, 1], [27, 5], [[3, 8], [4]], use_kernel=True, heads=(9, 3, 64), bs=16,
+                        kv_dtype=getattr(torch, kv))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

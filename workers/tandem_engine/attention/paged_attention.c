@@ -2,7 +2,9 @@
  * compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
  * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
  * holds float32, bfloat16 or float16 (kv_type 0, 1, 2); a 16-bit block is widened to float32 in a per-thread
- * buffer before use, so the arithmetic is float32 whatever the cache holds (docs/architecture.md). */
+ * buffer before use, so the arithmetic is float32 whatever the cache holds (docs/architecture.md).
+ * Below: the store of a step's keys and values (tandem_write_kv) and the tiled causal attention of prefill
+ * chunks over a float32 cache (tandem_prefill_attention). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -343,4 +345,148 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
         memcpy(vc + slots[i] * row, v + i * v_stride, sizeof(float) * row);
     }
     return -1;
+}
+
+/* Causal attention of prefill chunks (query rows of a sequence's later tokens over all its keys) over a
+ * float32 cache. A work item is one sequence's KV head and PF_TILE of its query tokens: the group's query
+ * heads (g of them) for those tokens are PF_TILE * g rows, computed together against blocks of PF_KEYS
+ * keys, GEMM-style: K's block is transposed once into a [D][PF_KEYS] panel and each score vector is D
+ * fused multiply-adds over it; the online softmax (running max and sum per row) rescales the rows'
+ * accumulators, then P x V adds PF_KEYS rows of V into them. Keys past a row's own position are masked,
+ * so only the tiles on the diagonal compute any masked scores. Needs D a multiple of 16. */
+#define PF_TILE 16
+#define PF_KEYS 16
+#define PF_NEG (-1e30f)  /* a masked score: finite, as -ffast-math assumes */
+
+typedef struct {
+    const float *q; int64_t q_tok_stride;
+    const float *kc, *vc;
+    const int32_t *table; int64_t table_stride;
+    const int64_t *seq_ids, *q_starts, *q_lens, *seq_lens;  /* per prefill: block-table row, first query
+                                                               row, query tokens, tokens in all */
+    float *out;
+    int nq, nkv, d, bs; float scale;
+} pf_job;
+
+static inline const float *pf_row(const pf_job *j, const int32_t *bt, int64_t pos, int h, const float *cache) {
+    return cache + (((int64_t)bt[pos / j->bs] * j->bs + pos % j->bs) * j->nkv + h) * j->d;
+}
+
+static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
+    const int d = j->d, g = j->nq / j->nkv;
+    const int64_t ql = j->q_lens[s], r0 = t * PF_TILE;
+    const int ntok = (int)(ql - r0 < PF_TILE ? ql - r0 : PF_TILE);
+    const int64_t p0 = j->seq_lens[s] - ql + r0;  /* position of the tile's first query token */
+    const int rows = ntok * g, rpad = (rows + 7) & ~7;
+    const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
+    float *qs = buf, *acc = qs + (int64_t)rpad * d, *sc = acc + (int64_t)rpad * d;
+    float *mx = sc + (int64_t)rpad * PF_KEYS, *sum = mx + rpad, *alpha = sum + rpad;
+    float *kt = alpha + rpad, *zero = kt + (int64_t)d * PF_KEYS;
+    int64_t *pos = (int64_t *)(zero + d);
+    for (int r = 0; r < rpad; r++) {  /* row r = token r / g, head h * g + r % g; padding rows see no key */
+        float *dst = qs + (int64_t)r * d;
+        if (r < rows) {
+            const float *src = j->q + (j->q_starts[s] + r0 + r / g) * j->q_tok_stride + (int64_t)(h * g + r % g) * d;
+            for (int c = 0; c < d; c++) dst[c] = src[c] * j->scale;
+            pos[r] = p0 + r / g;
+        } else {
+            memset(dst, 0, sizeof(float) * d);
+            pos[r] = -1;
+        }
+        mx[r] = PF_NEG; sum[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * rpad * d);
+    memset(zero, 0, sizeof(float) * d);
+    const int64_t nkeys = p0 + ntok;
+    for (int64_t kb = 0; kb < nkeys; kb += PF_KEYS) {
+        const int nk = (int)(nkeys - kb < PF_KEYS ? nkeys - kb : PF_KEYS);
+        const float *vrow[PF_KEYS];
+        for (int x = 0; x < PF_KEYS; x++) {
+            const float *kr = x < nk ? pf_row(j, bt, kb + x, h, j->kc) : zero;
+            vrow[x] = x < nk ? pf_row(j, bt, kb + x, h, j->vc) : zero;
+            for (int c = 0; c < d; c++) kt[c * PF_KEYS + x] = kr[c];
+        }
+        /* scores: 8 rows at a time, one 16-key vector each, in registers over D */
+        for (int r = 0; r < rpad; r += 8) {
+            v16 a[8] = {0};
+            for (int c = 0; c < d; c++) {
+                const v16 k = *(const v16 *)(kt + c * PF_KEYS);
+                for (int i = 0; i < 8; i++) a[i] += qs[(int64_t)(r + i) * d + c] * k;
+            }
+            for (int i = 0; i < 8; i++) {
+                float *srow = sc + (int64_t)(r + i) * PF_KEYS;
+                const int64_t lim = pos[r + i] - kb;  /* keys x <= lim are visible */
+                for (int x = 0; x < PF_KEYS; x++) srow[x] = x <= lim ? a[i][x] : PF_NEG;
+            }
+        }
+        /* the online softmax of each row over this block */
+        for (int r = 0; r < rpad; r++) {
+            float *srow = sc + (int64_t)r * PF_KEYS;
+            float bm = srow[0];
+            for (int x = 1; x < PF_KEYS; x++) bm = srow[x] > bm ? srow[x] : bm;
+            const float m = bm > mx[r] ? bm : mx[r];
+            float bsum = 0.0f;
+            for (int x = 0; x < PF_KEYS; x++) { srow[x] = expf(srow[x] - m); bsum += srow[x]; }
+            alpha[r] = expf(mx[r] - m);
+            sum[r] = sum[r] * alpha[r] + bsum;
+            mx[r] = m;
+        }
+        /* acc = acc * alpha + P V: 4 rows at a time over 16 columns of D */
+        for (int r = 0; r < rpad; r += 4) {
+            for (int c = 0; c < d; c += 16) {
+                v16 o[4];
+                for (int i = 0; i < 4; i++) o[i] = *(v16 *)(acc + (int64_t)(r + i) * d + c) * alpha[r + i];
+                for (int x = 0; x < PF_KEYS; x++) {
+                    const v16 v = *(const v16 *)(vrow[x] + c);
+                    for (int i = 0; i < 4; i++) o[i] += sc[(int64_t)(r + i) * PF_KEYS + x] * v;
+                }
+                for (int i = 0; i < 4; i++) *(v16 *)(acc + (int64_t)(r + i) * d + c) = o[i];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *dst = j->out + ((j->q_starts[s] + r0 + r / g) * j->nq + h * g + r % g) * d;
+        const float inv = 1.0f / sum[r];
+        for (int c = 0; c < d; c++) dst[c] = acc[(int64_t)r * d + c] * inv;
+    }
+}
+
+/* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
+int64_t tandem_prefill_scratch(int g, int d) {
+    const int64_t rpad = (PF_TILE * g + 7) & ~7;
+    return rpad * (2 * d + PF_KEYS + 3 + 2) + (int64_t)d * PF_KEYS + d;  /* + pos (int64: 2 floats a row) */
+}
+
+/* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.
+ * Returns -1 for a head layout it does not take (D not a multiple of 16, nq not a multiple of nkv). */
+int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *kc, const float *vc,
+                             const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
+                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
+                             int64_t n_seqs, float *out, float *scratch, int nq, int nkv, int d, int bs,
+                             float scale, int n_threads) {
+    if (d % 16 != 0 || nkv <= 0 || nq % nkv != 0) return -1;
+    const pf_job j = {q, q_tok_stride, kc, vc, table, table_stride, seq_ids, q_starts, q_lens, seq_lens, out,
+                      nq, nkv, d, bs, scale};
+    int64_t items = 0;
+    for (int64_t s = 0; s < n_seqs; s++) items += nkv * ((q_lens[s] + PF_TILE - 1) / PF_TILE);
+    const int64_t per_thread = tandem_prefill_scratch(nq / nkv, d);
+    if (n_threads > items) n_threads = (int)items;
+    if (n_threads < 1) n_threads = 1;
+    #pragma omp parallel num_threads(n_threads)
+    {
+        float *buf = scratch + (int64_t)omp_get_thread_num() * per_thread;
+        /* Items in order of sequence, head, tile; later tiles attend to more keys, so they go first. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = items - 1; it >= 0; it--) {
+            int64_t s = 0, rest = it;
+            for (;; s++) {
+                const int64_t n = nkv * ((q_lens[s] + PF_TILE - 1) / PF_TILE);
+                if (rest < n) break;
+                rest -= n;
+            }
+            const int64_t tiles = (q_lens[s] + PF_TILE - 1) / PF_TILE;
+            pf_item(&j, s, (int)(rest / tiles), rest % tiles, buf);
+        }
+    }
+    return 0;
 }

@@ -76,9 +76,15 @@ def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") ->
     lib.tandem_paged_attention.restype = i32
     lib.tandem_paged_attention_heads.argtypes = [p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, f32, i32, i32]
     lib.tandem_paged_attention_heads.restype = None
-    if hasattr(lib, "tandem_write_kv"):  # older sources (bench/attention_kernel.py's baseline) lack it
+    if hasattr(lib, "tandem_write_kv"):  # older sources (bench/attention_kernel.py's baseline) lack these
         lib.tandem_write_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
         lib.tandem_write_kv.restype = i64
+    if hasattr(lib, "tandem_prefill_attention"):
+        lib.tandem_prefill_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32,
+                                                 f32, i32]
+        lib.tandem_prefill_attention.restype = i32
+        lib.tandem_prefill_scratch.argtypes = [i32, i32]
+        lib.tandem_prefill_scratch.restype = i64
     return lib
 
 
@@ -106,6 +112,14 @@ class _KernelRows:
 
 
 @dataclass
+class _KernelPrefills:
+    seq_ids: torch.Tensor  # [P] int64 request index into block_table
+    q_starts: torch.Tensor  # [P] int64 first query row
+    q_lens: torch.Tensor  # [P] int64 query rows
+    seq_lens: torch.Tensor  # [P] int64 tokens in all (cached context + this chunk)
+
+
+@dataclass
 class _SdpaDecode:
     rows: torch.Tensor | None  # [Nd] int64 query rows; None when they are 0..Nd-1
     blocks: torch.Tensor  # [Nd * max_blocks] int64, flattened block table
@@ -117,7 +131,8 @@ class _Plan:
     kernel: _KernelRows | None
     decode: _SdpaDecode | None
     num_decode: int  # rows handled by `decode` (SDPA fallback)
-    prefills: list[_Prefill]
+    prefills: list[_Prefill]  # through SDPA
+    kernel_prefills: _KernelPrefills | None = None  # through the kernel's tandem_prefill_attention
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -174,7 +189,8 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _build_plan(
-        self, meta: AttentionMetadata, block_size: int, g: int, nkv: int, d: int, use_kernel: bool
+        self, meta: AttentionMetadata, block_size: int, g: int, nkv: int, d: int, use_kernel: bool,
+        prefill_kernel: bool = False,
     ) -> _Plan:
         dev = (
             meta.block_table.device
@@ -213,16 +229,23 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_rows, table[: len(dec), :max_blocks].to(torch.int64).reshape(-1), mask
             )
         prefills = []
+        kernel_prefills: list[tuple[int, int, int, int]] = []
         for i, q in enumerate(qlens):
             if q <= limit or (q == 1 and not use_kernel):
                 continue
             s = slens[i]
+            if prefill_kernel:
+                kernel_prefills.append((i, starts[i], q, s))
+                continue
             mask = None
             if s > q:
                 mask = torch.arange(s, device=dev)[None, :] <= torch.arange(s - q, s, device=dev)[:, None]
             blocks = meta.block_table[i, : -(-s // block_size)].to(torch.int64)
             prefills.append(_Prefill(starts[i], starts[i + 1], blocks, s, mask))
-        return _Plan(kernel, decode, len(dec), prefills)
+        kp = None
+        if kernel_prefills:
+            kp = _KernelPrefills(*(torch.tensor(col, dtype=torch.int64) for col in zip(*kernel_prefills, strict=True)))
+        return _Plan(kernel, decode, len(dec), prefills, kp)
 
     def forward(
         self,
@@ -236,12 +259,17 @@ class TorchAttentionBackend(AttentionBackend):
         nkv = k_cache.shape[2]
         g = nq // nkv
         use_kernel = self._kernel_applies(query, k_cache)
+        # Prefill chunks take the kernel's tiled causal attention where everything is float32 (a 16-bit
+        # model or cache keeps SDPA) and its head layout fits.
+        prefill_kernel = (use_kernel and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                          and d % 16 == 0 and nq % nkv == 0 and v_cache.is_contiguous()
+                          and hasattr(self._kernel, "tandem_prefill_attention"))
         # The plan is cached per step on the metadata object's identity (a runner builds one per step;
         # holding the reference keeps its id from being reused); the lengths in the key guard against a
         # runner that mutates one object in place.
-        key = (use_kernel, tuple(meta.query_lens_cpu), tuple(meta.seq_lens_cpu))
+        key = (use_kernel, prefill_kernel, tuple(meta.query_lens_cpu), tuple(meta.seq_lens_cpu))
         if self._plan_meta is not meta or self._plan_key != key or self._plan is None:
-            self._plan = self._build_plan(meta, k_cache.shape[1], g, nkv, d, use_kernel)
+            self._plan = self._build_plan(meta, k_cache.shape[1], g, nkv, d, use_kernel, prefill_kernel)
             self._plan_meta, self._plan_key = meta, key
         plan = self._plan
         if plan.decode is not None and plan.num_decode == t:
@@ -249,6 +277,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(t, nq, d, dtype=query.dtype, device=query.device)
         if plan.kernel is not None:
             self._run_kernel(query, k_cache, v_cache, meta, plan.kernel, out, scale)
+        if plan.kernel_prefills is not None:
+            self._run_prefill_kernel(query, k_cache, v_cache, meta, plan.kernel_prefills, out, scale)
         if plan.decode is not None:
             if plan.decode.rows is None:
                 out[: plan.num_decode] = self._sdpa_decode(
@@ -328,6 +358,34 @@ class TorchAttentionBackend(AttentionBackend):
                 dest.copy_(out)
             else:
                 dest.index_copy_(0, kr.rows, out.index_select(0, kr.rows).to(dest.dtype))
+
+    def _run_prefill_kernel(
+        self,
+        query: torch.Tensor,  # [T, nq, D] float32
+        k_cache: torch.Tensor,  # float32
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kp: _KernelPrefills,
+        out: torch.Tensor,  # [T, nq, D] contiguous float32, the kernel fills the prefills' rows
+        scale: float,
+    ) -> None:
+        assert self._kernel is not None
+        _, nq, d = query.shape
+        nkv = k_cache.shape[2]
+        threads = torch.get_num_threads()
+        need = threads * self._kernel.tandem_prefill_scratch(nq // nkv, d)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        table = meta.block_table
+        if table.dtype != torch.int32 or table.stride(1) != 1:
+            table = table.to(torch.int32).contiguous()
+        rc = self._kernel.tandem_prefill_attention(
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+            table.stride(0), kp.seq_ids.data_ptr(), kp.q_starts.data_ptr(), kp.q_lens.data_ptr(),
+            kp.seq_lens.data_ptr(), kp.seq_ids.numel(), out.data_ptr(), self._scratch.data_ptr(), nq, nkv, d,
+            k_cache.shape[1], scale, threads)
+        if rc != 0:  # forward checked the layout; this is a bug, not an input error
+            raise RuntimeError(f"tandem_prefill_attention refused nq={nq} nkv={nkv} d={d}")
 
     def _sdpa_decode(
         self,

@@ -98,7 +98,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                          choices=get_args(AttentionBackendName), help="auto: triton on a GPU, else torch")
     compute.add_argument("--cpu-attention-kernel", action=argparse.BooleanOptionalAction,
                          default=d.cpu_attention_kernel,
-                         help="the torch backend's C paged-attention kernel (built on first use)")
+                         help="the torch backend's C attention kernels for decode rows and float32 prefill chunks "
+                              "(built on first use)")
     compute.add_argument("--cpu-fused-kernels", action=argparse.BooleanOptionalAction,
                          default=d.cpu_fused_kernels,
                          help="C kernels for the residual add + RMSNorm, SiLU * up and RoPE of a float32 model "
