@@ -60,7 +60,8 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
     `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
     `tandem_paged_attention` (decode rows over threads), `tandem_paged_attention_heads` (a head range of
-    one row) and `tandem_write_kv` (a step's keys and values into a float32 cache)."""
+    one row), `tandem_write_kv` (a step's keys and values into a float32 cache) and
+    `tandem_prefill_attention` (float32 prefill chunks, tiled)."""
     return build_kernel(_KERNEL_SRC, cache_dir)
 
 
