@@ -221,8 +221,10 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
         for h in r["transformers"]:
             lines[-1] += f" transformers {h['dtype']} {h['output_tok_s'] / best[1]:.0%}."
         if r["transformers"]:
-            need = 3 * max(h["output_tok_s"] for h in r["transformers"])
-            lines += ["", f"3x the best transformers run is {need:.0f} tok/s: {need / best[1]:.0%} of the ceiling."]
+            # the target (docs/benchmarks.md): twice the best transformers run, set against the highest ceiling
+            need = 2 * max(h["output_tok_s"] for h in r["transformers"])
+            lines += ["", f"2x the best transformers run is {need:.0f} tok/s: {need / best[1]:.0%} of the highest "
+                      "ceiling."]
     path.write_text("\n".join(lines) + "\n")
 
 
