@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    # float32: the numerics the target is set in (`auto` is bfloat16 on CPUs with native bf16, docs/operations.md)
+    # float32: the numerics the target is set in (`auto` is bfloat16 with AMX, docs/operations.md)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--server-args", default="", help="extra `tandem serve` flags")
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",

@@ -103,12 +103,23 @@ def test_pick_dtype() -> None:
     assert loader.pick_dtype("float32") is torch.float32
     assert loader.pick_dtype("bfloat16") is torch.bfloat16
     with open("/proc/cpuinfo") as f:
-        cpuinfo = f.read()
-    native_bf16 = "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
-    expected = torch.bfloat16 if torch.cuda.is_available() or native_bf16 else torch.float32
+        amx = "amx_bf16" in f.read()
+    expected = torch.bfloat16 if torch.cuda.is_available() or amx else torch.float32
     assert loader.pick_dtype("auto") is expected
     with pytest.raises(ValueError):
         loader.pick_dtype("int8")
+
+
+@pytest.mark.parametrize(("flags", "amx"), [
+    ("fpu avx2 fma avx512f avx512_bf16 avx512_vnni", False),  # Zen 4 / Cooper Lake: float32 by default
+    ("fpu avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8", True),  # Sapphire Rapids
+    ("fpu avx2 fma", False),
+])
+def test_auto_is_bfloat16_only_with_amx(flags: str, amx: bool, tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n")
+    assert loader.cpu_has_amx_bf16(str(cpuinfo)) is amx
+    assert not loader.cpu_has_amx_bf16(str(tmp_path / "missing"))
 
 
 def test_gguf_is_cached_and_reloaded_fast(

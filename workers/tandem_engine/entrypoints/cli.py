@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", default=d.served_model_name,
                        help=f"model id in the API; ${SERVED_MODEL_NAME_ENV} when set, None: --model")
     model.add_argument("--dtype", default=d.dtype, choices=get_args(DType),
-                       help="auto: bfloat16 on a GPU or a CPU with native bf16, else float32")
+                       help="auto: bfloat16 on a GPU or a CPU with AMX, else float32")
     model.add_argument("--quantization", default=d.quantization, choices=get_args(Quantization),
                        help="none: dense weights; int8: dynamic int8 projections (weights per output "
                        "channel, activations per token); gguf: the GGUF file's own Q4_1/Q8_0 blocks through "

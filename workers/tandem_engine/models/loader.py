@@ -90,8 +90,8 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
 
 
 def pick_dtype(name: str, quantization: str = "none") -> torch.dtype:
-    """'auto' is the fastest dtype this machine runs well (float32 under int8 or gguf quantization, whose
-    kernels take float32 activations); the rest are taken literally."""
+    """'auto': bfloat16 on CUDA and on CPUs with AMX (`cpu_has_amx_bf16`), float32 elsewhere and under int8 or
+    gguf quantization (their kernels take float32 activations); the rest are taken literally."""
     if name == "auto" and quantization in ("int8", "gguf"):
         return torch.float32
     explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,17 +101,20 @@ def pick_dtype(name: str, quantization: str = "none") -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}: expected auto, float32, bfloat16 or float16")
     if torch.cuda.is_available():
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
 
 
-def _cpu_has_native_bf16() -> bool:
-    # Without avx512_bf16/amx_bf16, bf16 matmuls are emulated on CPU and run slower than float32.
+def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU multiplies bf16 matrices in AMX tiles, where bfloat16 is the fast dtype. Without AMX
+    the CPU runs float32: with avx512_bf16 alone (AMD Zen 4, Intel Cooper Lake) bf16 dot products are twice
+    float32's rate, but tandem's batched serving measured slower in bfloat16 (145 against 157 tok/s,
+    docs/operations.md), and float32 answers are exact to the token; without either, bf16 matmuls are
+    emulated."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return "amx_bf16" in line.split(":", 1)[1].split()
     except OSError:
         pass
     return False
