@@ -368,9 +368,13 @@ typedef struct {
     int nq, nkv, d, bs; float scale;
 } pf_job;
 
-static inline const float *pf_row(const pf_job *j, const int32_t *bt, int64_t pos, int h, const float *cache) {
-    return cache + (((int64_t)bt[pos / j->bs] * j->bs + pos % j->bs) * j->nkv + h) * j->d;
+/* Where token `pos` of a sequence (its block table bt) keeps KV head h, in floats from the cache's start. */
+static inline int64_t pf_offset(const pf_job *j, const int32_t *bt, int64_t pos, int h) {
+    return (((int64_t)bt[pos / j->bs] * j->bs + pos % j->bs) * j->nkv + h) * j->d;
 }
+
+/* Work items (tiles of PF_TILE query tokens) of a prefill of ql query tokens, per KV head. */
+static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE; }
 
 static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     const int d = j->d, g = j->nq / j->nkv;
@@ -382,16 +386,13 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     float *qs = buf, *acc = qs + (int64_t)rpad * d, *sc = acc + (int64_t)rpad * d;
     float *mx = sc + (int64_t)rpad * PF_KEYS, *sum = mx + rpad, *alpha = sum + rpad;
     float *kt = alpha + rpad, *zero = kt + (int64_t)d * PF_KEYS;
-    int64_t *pos = (int64_t *)(zero + d);
-    for (int r = 0; r < rpad; r++) {  /* row r = token r / g, head h * g + r % g; padding rows see no key */
+    for (int r = 0; r < rpad; r++) {  /* row r = token r / g at position p0 + r / g, head h * g + r % g */
         float *dst = qs + (int64_t)r * d;
         if (r < rows) {
             const float *src = j->q + (j->q_starts[s] + r0 + r / g) * j->q_tok_stride + (int64_t)(h * g + r % g) * d;
             for (int c = 0; c < d; c++) dst[c] = src[c] * j->scale;
-            pos[r] = p0 + r / g;
         } else {
             memset(dst, 0, sizeof(float) * d);
-            pos[r] = -1;
         }
         mx[r] = PF_NEG; sum[r] = 0.0f;
     }
@@ -402,8 +403,9 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         const int nk = (int)(nkeys - kb < PF_KEYS ? nkeys - kb : PF_KEYS);
         const float *vrow[PF_KEYS];
         for (int x = 0; x < PF_KEYS; x++) {
-            const float *kr = x < nk ? pf_row(j, bt, kb + x, h, j->kc) : zero;
-            vrow[x] = x < nk ? pf_row(j, bt, kb + x, h, j->vc) : zero;
+            const int64_t off = x < nk ? pf_offset(j, bt, kb + x, h) : -1;
+            const float *kr = off >= 0 ? j->kc + off : zero;
+            vrow[x] = off >= 0 ? j->vc + off : zero;
             for (int c = 0; c < d; c++) kt[c * PF_KEYS + x] = kr[c];
         }
         /* scores: 8 rows at a time, one 16-key vector each, in registers over D */
@@ -415,7 +417,8 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
             }
             for (int i = 0; i < 8; i++) {
                 float *srow = sc + (int64_t)(r + i) * PF_KEYS;
-                const int64_t lim = pos[r + i] - kb;  /* keys x <= lim are visible */
+                /* keys x <= lim are visible: up to the row's own position; none for a padding row */
+                const int64_t lim = (r + i < rows ? p0 + (r + i) / g : -1) - kb;
                 for (int x = 0; x < PF_KEYS; x++) srow[x] = x <= lim ? a[i][x] : PF_NEG;
             }
         }
@@ -454,7 +457,7 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
     const int64_t rpad = (PF_TILE * g + 7) & ~7;
-    return rpad * (2 * d + PF_KEYS + 3 + 2) + (int64_t)d * PF_KEYS + d;  /* + pos (int64: 2 floats a row) */
+    return rpad * (2 * d + PF_KEYS + 3) + (int64_t)d * PF_KEYS + d;
 }
 
 /* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.
@@ -468,7 +471,7 @@ int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *
     const pf_job j = {q, q_tok_stride, kc, vc, table, table_stride, seq_ids, q_starts, q_lens, seq_lens, out,
                       nq, nkv, d, bs, scale};
     int64_t items = 0;
-    for (int64_t s = 0; s < n_seqs; s++) items += nkv * ((q_lens[s] + PF_TILE - 1) / PF_TILE);
+    for (int64_t s = 0; s < n_seqs; s++) items += nkv * pf_tiles(q_lens[s]);
     const int64_t per_thread = tandem_prefill_scratch(nq / nkv, d);
     if (n_threads > items) n_threads = (int)items;
     if (n_threads < 1) n_threads = 1;
@@ -479,13 +482,8 @@ int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = items - 1; it >= 0; it--) {
             int64_t s = 0, rest = it;
-            for (;; s++) {
-                const int64_t n = nkv * ((q_lens[s] + PF_TILE - 1) / PF_TILE);
-                if (rest < n) break;
-                rest -= n;
-            }
-            const int64_t tiles = (q_lens[s] + PF_TILE - 1) / PF_TILE;
-            pf_item(&j, s, (int)(rest / tiles), rest % tiles, buf);
+            while (rest >= nkv * pf_tiles(q_lens[s])) rest -= nkv * pf_tiles(q_lens[s++]);
+            pf_item(&j, s, (int)(rest / pf_tiles(q_lens[s])), rest % pf_tiles(q_lens[s]), buf);
         }
     }
     return 0;

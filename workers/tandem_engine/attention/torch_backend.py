@@ -55,6 +55,12 @@ def _writes_in_one_pass(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
             and slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous())
 
 
+def _int32_table(meta: AttentionMetadata) -> torch.Tensor:
+    """The block table as the kernels read it: int32, each row's entries contiguous."""
+    table = meta.block_table
+    return table if table.dtype == torch.int32 and table.stride(1) == 1 else table.to(torch.int32).contiguous()
+
+
 @functools.cache  # one attempt per directory
 def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
@@ -263,8 +269,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Prefill chunks take the kernel's tiled causal attention where everything is float32 (a 16-bit
         # model or cache keeps SDPA) and its head layout fits.
         prefill_kernel = (use_kernel and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-                          and d % 16 == 0 and nq % nkv == 0 and v_cache.is_contiguous()
-                          and hasattr(self._kernel, "tandem_prefill_attention"))
+                          and d % 16 == 0 and nq % nkv == 0 and v_cache.is_contiguous())
         # The plan is cached per step on the metadata object's identity (a runner builds one per step;
         # holding the reference keeps its id from being reused); the lengths in the key guard against a
         # runner that mutates one object in place.
@@ -318,12 +323,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         assert self._kernel is not None
         threads = torch.get_num_threads()
-        need = threads * kr.scratch_per_thread
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
-        table = meta.block_table
-        if table.dtype != torch.int32 or table.stride(1) != 1:
-            table = table.to(torch.int32).contiguous()
+        scratch = self._scratch_floats(threads * kr.scratch_per_thread)
+        table = _int32_table(meta)
         _, nq, d = query.shape
         # The kernel computes in float32: a 16-bit model's query rows widen for it and their outputs round
         # back to the model's dtype (more exact than the 16-bit SDPA path, and one OpenMP region per layer
@@ -344,7 +345,7 @@ class TorchAttentionBackend(AttentionBackend):
             kr.seqs.data_ptr(),
             kr.klens.data_ptr(),
             out.data_ptr(),
-            self._scratch.data_ptr(),
+            scratch.data_ptr(),
             kr.scratch_per_thread,
             kr.rows.numel(),
             nq,
@@ -360,6 +361,12 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 dest.index_copy_(0, kr.rows, out.index_select(0, kr.rows).to(dest.dtype))
 
+    def _scratch_floats(self, n: int) -> torch.Tensor:
+        """The kernels' per-thread scratch, grown to at least n floats and kept between calls."""
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        return self._scratch
+
     def _run_prefill_kernel(
         self,
         query: torch.Tensor,  # [T, nq, D] float32
@@ -374,16 +381,12 @@ class TorchAttentionBackend(AttentionBackend):
         _, nq, d = query.shape
         nkv = k_cache.shape[2]
         threads = torch.get_num_threads()
-        need = threads * self._kernel.tandem_prefill_scratch(nq // nkv, d)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
-        table = meta.block_table
-        if table.dtype != torch.int32 or table.stride(1) != 1:
-            table = table.to(torch.int32).contiguous()
+        scratch = self._scratch_floats(threads * self._kernel.tandem_prefill_scratch(nq // nkv, d))
+        table = _int32_table(meta)
         rc = self._kernel.tandem_prefill_attention(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
             table.stride(0), kp.seq_ids.data_ptr(), kp.q_starts.data_ptr(), kp.q_lens.data_ptr(),
-            kp.seq_lens.data_ptr(), kp.seq_ids.numel(), out.data_ptr(), self._scratch.data_ptr(), nq, nkv, d,
+            kp.seq_lens.data_ptr(), kp.seq_ids.numel(), out.data_ptr(), scratch.data_ptr(), nq, nkv, d,
             k_cache.shape[1], scale, threads)
         if rc != 0:  # forward checked the layout; this is a bug, not an input error
             raise RuntimeError(f"tandem_prefill_attention refused nq={nq} nkv={nkv} d={d}")
