@@ -28,6 +28,9 @@ Quantization = Literal["none", "int8", "gguf"]
 
 SERVED_MODEL_NAME_ENV = "TANDEM_SERVED_MODEL_NAME"  # set by the operator on every engine pod
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
+# The default step token budget (--max-num-batched-tokens) by device: EngineConfig.step_token_budget.
+CPU_STEP_TOKENS = 512
+GPU_STEP_TOKENS = 2048
 
 
 def default_cache_dir() -> str:
@@ -67,7 +70,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Scheduler
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: step_token_budget's device default
     scheduling_policy: SchedulingPolicy = "fcfs"
     # The API server answers 429 rather than let more requests than this wait for a free running slot
     # (docs/operations.md, "Overload: priorities and the waiting bound").
@@ -130,6 +133,15 @@ class EngineConfig:
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir).expanduser()
+
+    def step_token_budget(self, device: str) -> int:
+        """Tokens one step may compute on `device` ("cpu" or "cuda"): --max-num-batched-tokens if given, else
+        a budget that keeps a step short there, never below max_num_seqs (every running request decodes
+        in each step). A 2048-token chunk takes ~2.3 s on 2 CPUs, and every running stream waits it out;
+        512 keeps that wait to ~0.6 s at the same batched throughput (docs/operations.md, "Scheduling")."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS, self.max_num_seqs)
 
     def thread_plan(self) -> ThreadPlan:
         """Intra-op threads per EngineCore, from the CPUs this process may use (docs/operations.md)."""

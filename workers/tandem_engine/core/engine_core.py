@@ -59,16 +59,17 @@ class EngineCore:
         self.scheduler = Scheduler(
             KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                            record_events=self.kv_events is not None),
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.max_num_seqs, config.step_token_budget(self.device.type), self.max_model_len,
             self.kv_connector, config.kv_failure_policy, config.scheduling_policy,
         )
         self._idle = True  # the last step computed nothing and produced no output
         warm = self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, quantization %s, %d KV blocks "
-                    "of %d (%s KV cache), max_model_len %d, %d threads", engine_index, self.startup_seconds, warm,
-                    config.model, loaded.dtype, config.quantization, self.runner.num_blocks, config.block_size,
-                    self.runner.kv_dtype_name, self.max_model_len, torch.get_num_threads())
+                    "of %d (%s KV cache), max_model_len %d, %d tokens a step, %d threads", engine_index,
+                    self.startup_seconds, warm, config.model, loaded.dtype, config.quantization,
+                    self.runner.num_blocks, config.block_size, self.runner.kv_dtype_name, self.max_model_len,
+                    self.scheduler.max_num_batched_tokens, torch.get_num_threads())
 
     def add_request(self, req: Request | EngineCoreRequest) -> None:
         if isinstance(req, EngineCoreRequest):

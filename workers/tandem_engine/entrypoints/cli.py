@@ -82,7 +82,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                        default=d.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
     cache.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests in one batch")
     cache.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help="tokens in one step (prefill chunks and decodes)")
+                       help="tokens in one step, prefill chunks and decodes (default: 512 on a CPU, 2048 on a GPU, "
+                       "at least --max-num-seqs): running streams wait out each step")
     cache.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=get_args(SchedulingPolicy),
                        help="fcfs: arrival order (a request's priority must be 0); priority: lowest "
                        "`priority` first, then arrival")
