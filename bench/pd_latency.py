@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -95,7 +96,9 @@ def table(res: dict[str, Any]) -> str:
     a = res["args"]
     rows = [f"P/D (prefill and decode engines, 1 torch thread each) against one colocated engine (2 threads) on "
             f"the same 2 cores. TTFT: one request at a time, 500-word prompts, {a['ttft_runs']} runs. ITL: "
-            f"{a['streams']} streams decoding while {a['arrivals']} prompts of {a['long_len']} words arrive.", "",
+            f"{a['streams']} streams decoding while {a['arrivals']} prompts of {a['long_len']} words arrive. "
+            f"Engines at their default step budget. {res['time']}, 1-minute load "
+            f"{res['load_average'][0]:.2f} before, {res['load_average'][1]:.2f} after.", "",
             "| mode | TTFT p50 (s) | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) |", "|---|---|---|---|---|"]
     for n in ("colocated", "pd"):
         r = res[n]
@@ -118,7 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="pd_latency_"))
     print("engine logs in", logs)
-    res: dict[str, Any] = {"args": vars(args)}
+    load = os.getloadavg()[0]  # a benchmark on a loaded machine is noise: the load goes into the result
+    res: dict[str, Any] = {"args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     c = engine("colocated", ["--num-threads", "2"], logs)
     try:
         c.wait_healthy(300)
@@ -136,6 +140,7 @@ def main() -> None:
                                         args.ttft_runs))
     finally:
         stop_all([d, p])
+    res["load_average"] = [load, os.getloadavg()[0]]
     write_results("pd_latency", res, table(res), plot)
 
 
