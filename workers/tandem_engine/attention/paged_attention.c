@@ -350,10 +350,12 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
 /* Causal attention of prefill chunks (query rows of a sequence's later tokens over all its keys) over a
  * float32 cache. A work item is one sequence's KV head and PF_TILE of its query tokens: the group's query
  * heads (g of them) for those tokens are PF_TILE * g rows, computed together against blocks of PF_KEYS
- * keys, GEMM-style: K's block is transposed once into a [D][PF_KEYS] panel and each score vector is D
- * fused multiply-adds over it; the online softmax (running max and sum per row) rescales the rows'
- * accumulators, then P x V adds PF_KEYS rows of V into them. Keys past a row's own position are masked,
- * so only the tiles on the diagonal compute any masked scores. Needs D a multiple of 16. */
+ * keys, GEMM-style. The item's queries are transposed once into a [D][rows] panel, so each key's scores
+ * for 16 rows are D fused multiply-adds of a panel vector by one of the key's elements, read in place
+ * from the cache; scores are kept [key][row], and the online softmax (running max and sum per row)
+ * runs down the rows in vectors. P x V then adds PF_KEYS rows of V into the rows' accumulators. Keys
+ * past a row's own position are masked, so only the tiles on the diagonal compute any masked scores.
+ * Needs D a multiple of 16. */
 #define PF_TILE 16
 #define PF_KEYS 16
 #define PF_NEG (-1e30f)  /* a masked score: finite, as -ffast-math assumes */
@@ -376,74 +378,87 @@ static inline int64_t pf_offset(const pf_job *j, const int32_t *bt, int64_t pos,
 /* Work items (tiles of PF_TILE query tokens) of a prefill of ql query tokens, per KV head. */
 static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE; }
 
+/* Rows of an item with g query heads per KV head, padded to whole vectors. */
+static inline int pf_rpad(int rows) { return (rows + 15) & ~15; }
+
 static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     const int d = j->d, g = j->nq / j->nkv;
     const int64_t ql = j->q_lens[s], r0 = t * PF_TILE;
     const int ntok = (int)(ql - r0 < PF_TILE ? ql - r0 : PF_TILE);
     const int64_t p0 = j->seq_lens[s] - ql + r0;  /* position of the tile's first query token */
-    const int rows = ntok * g, rpad = (rows + 7) & ~7;
+    const int rows = ntok * g, rpad = pf_rpad(rows);
     const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
-    float *qs = buf, *acc = qs + (int64_t)rpad * d, *sc = acc + (int64_t)rpad * d;
-    float *mx = sc + (int64_t)rpad * PF_KEYS, *sum = mx + rpad, *alpha = sum + rpad;
-    float *kt = alpha + rpad, *zero = kt + (int64_t)d * PF_KEYS;
-    for (int r = 0; r < rpad; r++) {  /* row r = token r / g at position p0 + r / g, head h * g + r % g */
-        float *dst = qs + (int64_t)r * d;
+    float *qt = buf, *acc = qt + (int64_t)d * rpad, *sc = acc + (int64_t)rpad * d;
+    float *mx = sc + (int64_t)PF_KEYS * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
+    float *ridx = tmp + rpad, *zero = ridx + rpad;
+    /* row r = token r / g at position p0 + r / g, head h * g + r % g; qt[c][r] its scaled query */
+    for (int r = 0; r < rpad; r++) {
         if (r < rows) {
             const float *src = j->q + (j->q_starts[s] + r0 + r / g) * j->q_tok_stride + (int64_t)(h * g + r % g) * d;
-            for (int c = 0; c < d; c++) dst[c] = src[c] * j->scale;
+            for (int c = 0; c < d; c++) qt[(int64_t)c * rpad + r] = src[c] * j->scale;
         } else {
-            memset(dst, 0, sizeof(float) * d);
+            for (int c = 0; c < d; c++) qt[(int64_t)c * rpad + r] = 0.0f;
         }
-        mx[r] = PF_NEG; sum[r] = 0.0f;
+        mx[r] = PF_NEG; sum[r] = 0.0f; ridx[r] = (float)r;
     }
     memset(acc, 0, sizeof(float) * rpad * d);
     memset(zero, 0, sizeof(float) * d);
     const int64_t nkeys = p0 + ntok;
     for (int64_t kb = 0; kb < nkeys; kb += PF_KEYS) {
         const int nk = (int)(nkeys - kb < PF_KEYS ? nkeys - kb : PF_KEYS);
-        const float *vrow[PF_KEYS];
+        const float *krow[PF_KEYS], *vrow[PF_KEYS];
         for (int x = 0; x < PF_KEYS; x++) {
             const int64_t off = x < nk ? pf_offset(j, bt, kb + x, h) : -1;
-            const float *kr = off >= 0 ? j->kc + off : zero;
+            krow[x] = off >= 0 ? j->kc + off : zero;
             vrow[x] = off >= 0 ? j->vc + off : zero;
-            for (int c = 0; c < d; c++) kt[c * PF_KEYS + x] = kr[c];
         }
-        /* scores: 8 rows at a time, one 16-key vector each, in registers over D */
-        for (int r = 0; r < rpad; r += 8) {
-            v16 a[8] = {0};
+        /* scores [key][row]: 16 rows at a time, one vector per key, in registers over D */
+        for (int r = 0; r < rpad; r += 16) {
+            v16 a[PF_KEYS] = {0};
             for (int c = 0; c < d; c++) {
-                const v16 k = *(const v16 *)(kt + c * PF_KEYS);
-                for (int i = 0; i < 8; i++) a[i] += qs[(int64_t)(r + i) * d + c] * k;
+                const v16 qv = V16(qt + (int64_t)c * rpad + r);
+                for (int x = 0; x < PF_KEYS; x++) a[x] += qv * krow[x][c];
             }
-            for (int i = 0; i < 8; i++) {
-                float *srow = sc + (int64_t)(r + i) * PF_KEYS;
-                /* keys x <= lim are visible: up to the row's own position; none for a padding row */
-                const int64_t lim = (r + i < rows ? p0 + (r + i) / g : -1) - kb;
-                for (int x = 0; x < PF_KEYS; x++) srow[x] = x <= lim ? a[i][x] : PF_NEG;
+            for (int x = 0; x < PF_KEYS; x++) *(v16 *)(sc + (int64_t)x * rpad + r) = a[x];
+        }
+        /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g;
+         * a block wholly before the tile's first position with 16 keys needs no mask (padding rows, all
+         * zero, are never written out). */
+        if (kb + PF_KEYS - 1 > p0 || nk < PF_KEYS) {
+            for (int x = 0; x < PF_KEYS; x++) {
+                const float lo = x < nk ? (float)((kb + x - p0) * g) : (float)rpad;
+                float *srow = sc + (int64_t)x * rpad;
+                for (int r = 0; r < rpad; r++) srow[r] = ridx[r] >= lo ? srow[r] : PF_NEG;
             }
         }
-        /* the online softmax of each row over this block */
+        /* the online softmax of each row over this block, down the rows */
+        for (int r = 0; r < rpad; r++) tmp[r] = sc[r];
+        for (int x = 1; x < PF_KEYS; x++) {
+            const float *srow = sc + (int64_t)x * rpad;
+            for (int r = 0; r < rpad; r++) tmp[r] = srow[r] > tmp[r] ? srow[r] : tmp[r];
+        }
         for (int r = 0; r < rpad; r++) {
-            float *srow = sc + (int64_t)r * PF_KEYS;
-            float bm = srow[0];
-            for (int x = 1; x < PF_KEYS; x++) bm = srow[x] > bm ? srow[x] : bm;
-            const float m = bm > mx[r] ? bm : mx[r];
-            float bsum = 0.0f;
-            for (int x = 0; x < PF_KEYS; x++) { srow[x] = expf(srow[x] - m); bsum += srow[x]; }
+            const float m = tmp[r] > mx[r] ? tmp[r] : mx[r];
             alpha[r] = expf(mx[r] - m);
-            sum[r] = sum[r] * alpha[r] + bsum;
             mx[r] = m;
+            tmp[r] = 0.0f;
         }
-        /* acc = acc * alpha + P V: 4 rows at a time over 16 columns of D */
-        for (int r = 0; r < rpad; r += 4) {
+        for (int x = 0; x < PF_KEYS; x++) {
+            float *srow = sc + (int64_t)x * rpad;
+            for (int r = 0; r < rpad; r++) { srow[r] = expf(srow[r] - mx[r]); tmp[r] += srow[r]; }
+        }
+        for (int r = 0; r < rpad; r++) sum[r] = sum[r] * alpha[r] + tmp[r];
+        /* acc = acc * alpha + P V: 8 rows at a time over 16 columns of D */
+        for (int r = 0; r < rpad; r += 8) {
             for (int c = 0; c < d; c += 16) {
-                v16 o[4];
-                for (int i = 0; i < 4; i++) o[i] = *(v16 *)(acc + (int64_t)(r + i) * d + c) * alpha[r + i];
+                v16 o[8];
+                for (int i = 0; i < 8; i++) o[i] = V16(acc + (int64_t)(r + i) * d + c) * alpha[r + i];
                 for (int x = 0; x < PF_KEYS; x++) {
-                    const v16 v = *(const v16 *)(vrow[x] + c);
-                    for (int i = 0; i < 4; i++) o[i] += sc[(int64_t)(r + i) * PF_KEYS + x] * v;
+                    const v16 v = V16(vrow[x] + c);
+                    const float *p = sc + (int64_t)x * rpad + r;
+                    for (int i = 0; i < 8; i++) o[i] += p[i] * v;
                 }
-                for (int i = 0; i < 4; i++) *(v16 *)(acc + (int64_t)(r + i) * d + c) = o[i];
+                for (int i = 0; i < 8; i++) *(v16 *)(acc + (int64_t)(r + i) * d + c) = o[i];
             }
         }
     }
@@ -456,8 +471,8 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
 
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
-    const int64_t rpad = (PF_TILE * g + 7) & ~7;
-    return rpad * (2 * d + PF_KEYS + 3) + (int64_t)d * PF_KEYS + d;
+    const int64_t rpad = pf_rpad(PF_TILE * g);
+    return rpad * (2 * d + PF_KEYS + 5) + d;
 }
 
 /* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.
