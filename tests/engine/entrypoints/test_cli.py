@@ -46,6 +46,10 @@ def test_flags_reach_the_config() -> None:
     assert args.port == 9000
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--max-waiting-requests", "-1"])
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):  # 0 would leave every request waiting
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([flag, "0"])
+        assert getattr(build_parser().parse_args([flag, "1"]), flag[2:].replace("-", "_")) == 1
     with pytest.raises(SystemExit, match="2"):
         build_parser().parse_args(["--kv-cache-dtype", "fp8"])
 

@@ -80,8 +80,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                        help="exact number of KV blocks, overriding --kv-cache-gib")
     cache.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
-    cache.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests in one batch")
-    cache.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+    cache.add_argument("--max-num-seqs", type=_positive, default=d.max_num_seqs, help="requests in one batch")
+    cache.add_argument("--max-num-batched-tokens", type=_positive, default=d.max_num_batched_tokens,
                        help="tokens in one step, prefill chunks and decodes (default: 512 on a CPU, 2048 on a GPU, "
                        "at least --max-num-seqs): running streams wait out each step")
     cache.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=get_args(SchedulingPolicy),
@@ -107,6 +107,13 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                               "on the CPU (built on first use)")
     compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
                          help="oneDNN-prepacked weights for batched CPU matmuls")
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {number}")  # 0 would schedule nothing, ever
+    return number
 
 
 def _non_negative(value: str) -> int:
