@@ -24,7 +24,7 @@ from tandem_engine.core.kv_events import BlockStored, decode_batch
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
 from tandem_router.hashing import BLOCK_HASH_SPEC, token_block_hashes
-from tandem_router.procs import free_port
+from tandem_router.procs import free_port_pair
 from tandem_router.tokenizer import PromptTokenizer, TokenizerSpec, fetch_tokenizer, template_messages
 
 BS = 16
@@ -117,7 +117,7 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    port = free_port()
+    port = free_port_pair()  # PUB on the port, replay on the next
     sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -23,7 +23,7 @@ from tandem_engine.core.kv_events import (
 )
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
-from tandem_router.procs import free_port
+from tandem_router.procs import free_port_pair
 from tests.engine.engine_server import MODEL, run_server
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def chain(tokens: list[int]) -> list[int]:
 
 
 def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port_pair()  # PUB on the port, replay on the next
     args = ["--kv-events-port", str(port), "--block-size", str(BS), "--max-model-len", "512"]
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -89,7 +89,7 @@ def test_a_new_request_is_in_the_published_load_before_its_step_computes() -> No
     """Routers weigh the queues engines publish; a request that came in during a step is counted in the
     load sent before the next forward pass, not after it (a prefill step can take most of a second)."""
     core = EngineCore(EngineConfig(model=MODEL, dtype="float32", kv_cache_gib=0.05, max_model_len=512,
-                                   block_size=BS, kv_events_port=free_port()))
+                                   block_size=BS, kv_events_port=free_port_pair()))
     assert core.kv_events is not None
     trace: list[object] = []
     publish, execute = core.kv_events.publish, core.runner.execute
