@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import prometheus_client
 import pytest
 from tests.router.utils import start_upstream_process
 
-from tandem_router.procs import Child, ChildExited, free_port, metric
+from tandem_router.procs import Child, ChildExited, ephemeral_ports, free_port, free_port_pair, metric
 
 
 def exposition() -> str:
@@ -55,3 +56,20 @@ def test_child_that_exits_or_never_answers_fails_the_wait_with_its_log(tmp_path:
         mute.wait_healthy(0.5)
     mute.kill()
     assert mute.proc is not None and mute.proc.returncode == -signal.SIGKILL
+
+
+def test_port_pairs_come_from_below_the_ephemeral_range_and_both_bind(tmp_path: Path) -> None:
+    """Outgoing connections take ephemeral ports: a pair there could lose its second port before the
+    engine binds it."""
+    low, high = ephemeral_ports()
+    for _ in range(20):
+        port = free_port_pair()
+        assert 1024 <= port and port + 1 < low
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 1))
+    assert low < high
+    fixture = tmp_path / "ip_local_port_range"
+    fixture.write_text("40000\t50000\n")
+    assert ephemeral_ports(fixture) == (40000, 50000)
+    assert ephemeral_ports(tmp_path / "missing") == (32768, 60999)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,13 +42,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def free_port_pair(host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A free port whose successor is free too (KV events: PUB on the port, replay on the next)."""
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The range the kernel draws ports from for bind(0) and outgoing connections (Linux's default where
+    it cannot be read)."""
+    try:
+        low, high = (int(x) for x in path.read_text().split()[:2])
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port_pair(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A free port whose successor is free too (KV events: PUB on the port, replay on the next), taken
+    below the ephemeral range: every outgoing connection (a health poll, a ZMQ reconnect) takes an
+    ephemeral port, and one of them took port + 1 between a check there and the engine's bind."""
+    low, _ = ephemeral_ports()
+    rng = random.Random()
     for _ in range(tries):
-        port = free_port(host)
-        if port < 65535 and not port_in_use(host, port + 1):
+        port = rng.randrange(max(1024, low - 12000), max(1025, low - 1))
+        if not port_in_use(host, port) and not port_in_use(host, port + 1):
             return port
-    raise OSError(f"no two consecutive free ports on {host} in {tries} tries")
+    raise OSError(f"no two consecutive free ports on {host} below {low} in {tries} tries")
 
 
 def port_in_use(host: str, port: int) -> bool:
