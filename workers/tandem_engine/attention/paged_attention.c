@@ -390,7 +390,7 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
     float *qt = buf, *acc = qt + (int64_t)d * rpad, *sc = acc + (int64_t)rpad * d;
     float *mx = sc + (int64_t)PF_KEYS * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
-    float *ridx = tmp + rpad, *zero = ridx + rpad;
+    float *zero = tmp + rpad;
     /* row r = token r / g at position p0 + r / g, head h * g + r % g; qt[c][r] its scaled query */
     for (int r = 0; r < rpad; r++) {
         if (r < rows) {
@@ -399,7 +399,7 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         } else {
             for (int c = 0; c < d; c++) qt[(int64_t)c * rpad + r] = 0.0f;
         }
-        mx[r] = PF_NEG; sum[r] = 0.0f; ridx[r] = (float)r;
+        mx[r] = PF_NEG; sum[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * rpad * d);
     memset(zero, 0, sizeof(float) * d);
@@ -428,7 +428,7 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
             for (int x = 0; x < PF_KEYS; x++) {
                 const float lo = x < nk ? (float)((kb + x - p0) * g) : (float)rpad;
                 float *srow = sc + (int64_t)x * rpad;
-                for (int r = 0; r < rpad; r++) srow[r] = ridx[r] >= lo ? srow[r] : PF_NEG;
+                for (int r = 0; r < rpad; r++) srow[r] = (float)r >= lo ? srow[r] : PF_NEG;
             }
         }
         /* the online softmax of each row over this block, down the rows */
@@ -472,7 +472,7 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
     const int64_t rpad = pf_rpad(PF_TILE * g);
-    return rpad * (2 * d + PF_KEYS + 5) + d;
+    return rpad * (2 * d + PF_KEYS + 4) + d;
 }
 
 /* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.

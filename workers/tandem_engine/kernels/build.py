@@ -40,20 +40,20 @@ def base_flags() -> tuple[str, ...]:
     return ("-O3", f"-march={os.environ.get(KERNEL_MARCH_ENV) or 'native'}", "-fopenmp")
 
 
-def cpu_id() -> str:
+def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The machine type and the CPU's model name and feature flags: what -march=native code depends on."""
     ident = os.uname().machine
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             ident += "".join(ln for ln in f if ln.startswith(("model name", "flags")))
     except OSError:
         pass
     return ident
 
 
-def cpu_flags() -> set[str]:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
-    for line in cpu_id().splitlines():
+    for line in cpu_id(cpuinfo).splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()

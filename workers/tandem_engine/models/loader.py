@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from tandem_engine.config import build_dir, default_cache_dir
+from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.models.gguf_quantized import load_gguf_quantized
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
@@ -110,14 +111,7 @@ def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     float32's rate, but tandem's batched serving measured slower in bfloat16 (145 against 157 tok/s,
     docs/operations.md), and float32 answers are exact to the token; without either, bf16 matmuls are
     emulated."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
+    return "amx_bf16" in cpu_flags(cpuinfo)
 
 
 # --- GGUF cache -------------------------------------------------------------------------------------
