@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -18,12 +19,37 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m-instruct"
+# The CPU features that decide which kernels and rates a machine gets (oneDNN's and fbgemm's code paths, AMX
+# for bfloat16): the machines here change kind between sessions (2026-12: Intel Xeon with AMX, AMD EPYC
+# with AVX2 only), and a result means little without them.
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa ".split()
 
 
 def text(n_words: int, seed: int) -> str:
     """`n_words` random words, the same for the same seed."""
     return " ".join(np.random.default_rng(seed).choice(WORDS, n_words))
+
+
+def machine() -> dict[str, Any]:
+    """What the machine of a result was: its CPUs, the CPU's model, the vector extensions in VECTOR_FLAGS it
+    has, the platform and torch (imported here only if the benchmark has already)."""
+    from tandem_engine.kernels.build import cpu_flags, cpu_id
+
+    model = next((ln.split(":", 1)[1].strip() for ln in cpu_id().splitlines() if ln.startswith("model name")), "")
+    flags = cpu_flags()
+    torch = sys.modules.get("torch")
+    return {"cpus": os.cpu_count(), "cpu_model": model, "vector_extensions": [f for f in VECTOR_FLAGS if f in flags],
+            "platform": platform.platform(), **({"torch": torch.__version__} if torch else {})}
+
+
+def describe(m: dict[str, Any]) -> str:
+    """`machine()` in a few words: "2 CPUs (AMD EPYC: avx2, fma)"; only the count for results written before
+    machine() named the CPU."""
+    if "vector_extensions" not in m:
+        return f"{m['cpus']} CPUs"
+    exts = ", ".join(m["vector_extensions"]) or "none of " + ", ".join(VECTOR_FLAGS)
+    return f"{m['cpus']} CPUs ({m.get('cpu_model') or 'model not given'}: {exts})"
 
 
 def write_results(name: str, res: dict[str, Any], table: str, plot: Callable[[dict[str, Any], Path], None]) -> None:
@@ -48,8 +74,8 @@ def bench_main(name: str, args: argparse.Namespace, run: Runner, table: Callable
     print(f"scratch and logs in {work}; 1-minute load average {load[0]:.2f}", flush=True)
     res = asyncio.run(run(args, work))
     load.append(os.getloadavg()[0])
-    res = {"command": " ".join(["python", f"bench/{name}.py", *sys.argv[1:]]),
+    res = {"command": " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load,
-           "config": vars(args), **res}
+           "machine": machine(), "config": vars(args), **res}
     write_results(name, res, table(res), plot)
     return 0

@@ -13,7 +13,7 @@ projection FLOPs at the matmul rate `bench/roofline.py` measures for M = batch (
 layer's weights re-read from cache); the memory floor is the bytes a step must stream (every weight
 once, every sequence's K and V) at the rate a large tensor is summed. The attention kernel's KV read
 rate is set against a copy of the same bytes of the pool.
-Writes bench/results/profile_step.{json,md,png} (docs/benchmarks.md, "Decode step profile").
+Writes bench/results/profile_step.{json,md,png}, or `--name`'s (docs/benchmarks.md, "Decode step profile").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import MODEL, bench_main
+from harness import MODEL, bench_main, describe
 from roofline import flops_per_token, rate, shapes
 
 from tandem_engine.config import EngineConfig
@@ -173,6 +173,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per variant")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--name", default="profile_step",
+                    help="write bench/results/<name>.{json,md,png} (another machine's profile beside this one)")
     return ap.parse_args()
 
 
@@ -219,8 +221,9 @@ def table(res: dict[str, Any]) -> str:
     names = list(v)
     head = " | ".join(f"{n} ms | {n} %" for n in names)
     lines = [f"# One decode step at batch {res['config']['batch']}, {res['config']['context']} tokens of context",
-             "", f"1-minute load {res['load_average'][0]:.2f} -> {res['load_average'][1]:.2f}, "
-             f"{res['threads']} threads; ceiling: {c['gflop_per_step']:.2f} GFLOP per step at "
+             "", f"{describe(res['machine'])}; 1-minute load {res['load_average'][0]:.2f} -> "
+             f"{res['load_average'][1]:.2f}, {res['threads']} threads; ceiling: {c['gflop_per_step']:.2f} GFLOP per "
+             "step at "
              f"{c['matmul_gflop_s_at_batch']:.0f} GFLOP/s = {c['step_floor_ms']:.1f} ms; memory floor: "
              f"{(c['weight_bytes_per_step'] + v[names[0]]['kv_bytes_per_step']) / 1e6:.0f} MB of weights and KV "
              f"per step at {c['read_gb_s']:.1f} GB/s (a streamed sum) = {c['memory_floor_ms']:.1f} ms", "",
@@ -262,7 +265,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    return bench_main("profile_step", parse_args(), run, table, plot)
+    args = parse_args()
+    return bench_main(args.name, args, run, table, plot)
 
 
 if __name__ == "__main__":

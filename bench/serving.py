@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import httpx
 import torch
-from harness import MODEL, RESULTS
+from harness import MODEL, RESULTS, describe, machine
 from roofline import EACH_SHAPE
 
 from tandem_router.procs import tandem_child
@@ -139,8 +138,7 @@ def main() -> None:
     best_hf = max((r["output_tok_s"] for r in hf), default=None)
     result = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "processor": platform.processor()},
+        "machine": machine(),
         "config": vars(a) | {"server_flags": extra},
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "server_startup_s": startup_s,
@@ -166,7 +164,7 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
         "",
         f"{r['config']['num_prompts']} streamed requests, concurrency {r['config']['concurrency']}, "
         f"~{r['config']['input_len']} prompt tokens, {r['config']['output_len']} output tokens (ignore_eos), "
-        f"SmolLM2-135M-Instruct, {r['machine']['cpus']} CPUs. Reproduce: `.venv/bin/python bench/serving.py"
+        f"SmolLM2-135M-Instruct, {describe(r['machine'])}. Reproduce: `.venv/bin/python bench/serving.py"
         + (f" --dtype {r['config']['dtype']}" if r["config"]["dtype"] != "float32" else "")
         + (f" --server-args={shlex.quote(r['config']['server_args'])}" if r["config"].get("server_args") else "")
         + "".join(f" --server-env {kv}" for kv in r["config"].get("server_env", []))
