@@ -147,7 +147,7 @@ def test_prefill_and_decode_cannot_disagree() -> None:
         "--port",
         "8000",
         "--dtype",
-        "bfloat16",
+        "auto",
         "--max-model-len",
         "2048",
         "--block-size",
