@@ -129,9 +129,42 @@ static inline int group_run(int hi, int h1, int g) {
     return end - hi > GROUP_MAX ? GROUP_MAX : end - hi;
 }
 
-/* 16 floats in a vector register (two on a CPU without AVX-512). */
+/* 16 floats: one vector register with AVX-512. Elsewhere a pair of 8-float vectors, written out: GCC lowers
+ * a 64-byte vector type on AVX2 through the stack (scalar broadcasts and lane extracts as 16-byte moves),
+ * and perf on an AVX2-only EPYC showed the decode loops spending their time there, 5x slower than the
+ * Intel with AVX-512 against a 1.5x slower memory. fma16 is one rounding per lane through the FMA
+ * instruction itself: -ffast-math may reorder plain adds and fuse plain multiplies differently in each
+ * inlined copy of a loop, and a head's floats must not depend on which copy (how many heads) ran it. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
-#define V16(p) (*(const v16 *)(p))
+static inline v16 ld16(const float *p) { return *(const v16 *)p; }
+static inline void st16(float *p, v16 v) { *(v16 *)p = v; }
+static inline v16 zero16(void) { return (v16){0}; }
+static inline v16 bcast16(float s) { return (v16){0} + s; }
+static inline v16 smul16(float s, v16 a) { return s * a; }
+static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
+static inline float hsum16(v16 v) {
+    const v8 lo = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
+    const v8 hi = {v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
+    return hsum8(lo + hi);
+}
+#else
+#if defined(__FMA__)
+#include <immintrin.h>
+static inline v8 fma8(v8 a, v8 b, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
+#else
+static inline v8 fma8(v8 a, v8 b, v8 acc) { return acc + a * b; }
+#endif
+typedef struct { v8 lo, hi; } v16;
+static inline v16 ld16(const float *p) { return (v16){V8(p), V8(p + 8)}; }
+static inline void st16(float *p, v16 v) { *(v8 *)p = v.lo; *(v8 *)(p + 8) = v.hi; }
+static inline v16 zero16(void) { return (v16){{0}, {0}}; }
+static inline v16 bcast16(float s) { const v8 b = (v8){0} + s; return (v16){b, b}; }
+static inline v16 smul16(float s, v16 a) { return (v16){s * a.lo, s * a.hi}; }
+static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16){fma8(a.lo, b.lo, acc.lo), fma8(a.hi, b.hi, acc.hi)}; }
+static inline float hsum16(v16 v) { return hsum8(v.lo + v.hi); }
+#endif
 
 /* For nh query heads that read the same KV head: acc[k * acc_stride : + 64] += sum over the block's n tokens
  * of w[k * w_stride + o] * v[o * stride : + 64], in token order, one fused multiply-add per token and
@@ -143,24 +176,19 @@ static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64
                                                               const int nh) {
     v16 a[GROUP_MAX][4];
     for (int k = 0; k < nh; k++)
-        for (int c = 0; c < 4; c++) a[k][c] = V16(acc + k * acc_stride + 16 * c);
+        for (int c = 0; c < 4; c++) a[k][c] = ld16(acc + k * acc_stride + 16 * c);
     for (int64_t o = 0; o < n; o++) {
         pf_step(pf, per);
         const float *vr = v + o * stride;
-        const v16 x0 = V16(vr), x1 = V16(vr + 16), x2 = V16(vr + 32), x3 = V16(vr + 48);
+        const v16 x0 = ld16(vr), x1 = ld16(vr + 16), x2 = ld16(vr + 32), x3 = ld16(vr + 48);
         for (int k = 0; k < nh; k++) {
-            const float wk = w[k * w_stride + o];
-            a[k][0] += wk * x0; a[k][1] += wk * x1; a[k][2] += wk * x2; a[k][3] += wk * x3;
+            const v16 wk = bcast16(w[k * w_stride + o]);
+            a[k][0] = fma16(wk, x0, a[k][0]); a[k][1] = fma16(wk, x1, a[k][1]);
+            a[k][2] = fma16(wk, x2, a[k][2]); a[k][3] = fma16(wk, x3, a[k][3]);
         }
     }
     for (int k = 0; k < nh; k++)
-        for (int c = 0; c < 4; c++) *(v16 *)(acc + k * acc_stride + 16 * c) = a[k][c];
-}
-
-static inline float hsum16(v16 v) {
-    const v8 lo = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
-    const v8 hi = {v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
-    return hsum8(lo + hi);
+        for (int c = 0; c < 4; c++) st16(acc + k * acc_stride + 16 * c, a[k][c]);
 }
 
 /* For nh query heads that read the same KV head, the scores of the block's n tokens:
@@ -175,12 +203,13 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
         pf_step(pf, per);
         const float *kr = kb + o * stride;
         v16 p[GROUP_MAX];
-        for (int k = 0; k < nh; k++) p[k] = (v16){0};
+        for (int k = 0; k < nh; k++) p[k] = zero16();
         for (int x = 0; x < d; x += 64) {
-            const v16 k0 = V16(kr + x), k1 = V16(kr + x + 16), k2 = V16(kr + x + 32), k3 = V16(kr + x + 48);
+            const v16 k0 = ld16(kr + x), k1 = ld16(kr + x + 16), k2 = ld16(kr + x + 32), k3 = ld16(kr + x + 48);
             for (int k = 0; k < nh; k++) {
                 const float *qk = q + k * d + x;
-                p[k] += (V16(qk) * k0 + V16(qk + 16) * k1) + (V16(qk + 32) * k2 + V16(qk + 48) * k3);
+                p[k] = fma16(ld16(qk), k0, p[k]); p[k] = fma16(ld16(qk + 16), k1, p[k]);
+                p[k] = fma16(ld16(qk + 32), k2, p[k]); p[k] = fma16(ld16(qk + 48), k3, p[k]);
             }
         }
         for (int k = 0; k < nh; k++) s[k * s_stride + o] = hsum16(p[k]) * scale;
@@ -414,12 +443,13 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         }
         /* scores [key][row]: 16 rows at a time, one vector per key, in registers over D */
         for (int r = 0; r < rpad; r += 16) {
-            v16 a[PF_KEYS] = {0};
+            v16 a[PF_KEYS];
+            for (int x = 0; x < PF_KEYS; x++) a[x] = zero16();
             for (int c = 0; c < d; c++) {
-                const v16 qv = V16(qt + (int64_t)c * rpad + r);
-                for (int x = 0; x < PF_KEYS; x++) a[x] += qv * krow[x][c];
+                const v16 qv = ld16(qt + (int64_t)c * rpad + r);
+                for (int x = 0; x < PF_KEYS; x++) a[x] = fma16(qv, bcast16(krow[x][c]), a[x]);
             }
-            for (int x = 0; x < PF_KEYS; x++) *(v16 *)(sc + (int64_t)x * rpad + r) = a[x];
+            for (int x = 0; x < PF_KEYS; x++) st16(sc + (int64_t)x * rpad + r, a[x]);
         }
         /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g;
          * a block wholly before the tile's first position with 16 keys needs no mask (padding rows, all
@@ -452,13 +482,13 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         for (int r = 0; r < rpad; r += 8) {
             for (int c = 0; c < d; c += 16) {
                 v16 o[8];
-                for (int i = 0; i < 8; i++) o[i] = V16(acc + (int64_t)(r + i) * d + c) * alpha[r + i];
+                for (int i = 0; i < 8; i++) o[i] = smul16(alpha[r + i], ld16(acc + (int64_t)(r + i) * d + c));
                 for (int x = 0; x < PF_KEYS; x++) {
-                    const v16 v = V16(vrow[x] + c);
+                    const v16 v = ld16(vrow[x] + c);
                     const float *p = sc + (int64_t)x * rpad + r;
-                    for (int i = 0; i < 8; i++) o[i] += p[i] * v;
+                    for (int i = 0; i < 8; i++) o[i] = fma16(bcast16(p[i]), v, o[i]);
                 }
-                for (int i = 0; i < 8; i++) *(v16 *)(acc + (int64_t)(r + i) * d + c) = o[i];
+                for (int i = 0; i < 8; i++) st16(acc + (int64_t)(r + i) * d + c, o[i]);
             }
         }
     }

@@ -74,7 +74,9 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
 def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") -> ctypes.CDLL | None:
     """Build and load a paged-attention kernel `source` (load_kernel's, or another version of it, as
     bench/attention_kernel.py compares) with its entries' signatures set; None if it cannot be built."""
-    lib = try_build(name, source, (*base_flags(), "-ffast-math"), cache_dir, "using the torch SDPA path")
+    # -fno-associative-math: the kernel's sums run in the order written (see paged_attention.c, fma16)
+    flags = (*base_flags(), "-ffast-math", "-fno-associative-math")
+    lib = try_build(name, source, flags, cache_dir, "using the torch SDPA path")
     if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
