@@ -9,7 +9,9 @@ torch's result exactly, through the fallback).
 from __future__ import annotations
 
 import os
+import platform
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -155,3 +157,17 @@ def test_loading_a_kernel_keeps_denormals(ops: FusedOps, tmp_path: Path) -> None
     assert load_kernel(tmp_path) is not None
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal
     assert (tiny * 0.5).item() != 0.0
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
+                    reason="reads x86-64 machine code with objdump")
+def test_silu_mul_row_is_vectorised(tmp_path: Path) -> None:
+    """SiLU runs once per layer and decode step over every row. Built with trapping math (GCC's default),
+    its clamps stayed branches and the loop scalar: 3x slower than vectorised on an AVX2 EPYC, and 2x
+    slower than torch's. The built row function must divide packed floats."""
+    assert load_fused_ops(tmp_path).native
+    (lib,) = (tmp_path / "kernels").glob("fused_*.so")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                          check=True).stdout
+    body = code.split("<tandem_silu_mul_row>:", 1)[1].split("\n\n", 1)[0]
+    assert "divps" in body, "tandem_silu_mul_row divides one float at a time"

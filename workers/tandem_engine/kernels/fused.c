@@ -53,7 +53,8 @@ void tandem_add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t
 
 /* e^x for x in [-87, 88] (callers clamp): x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two so that
  * k * hi is exact), e^r by its Taylor series to degree 7 (truncation below 1e-8 relative), times 2^k
- * built in the exponent bits. Branch-free, so the compiler vectorises the loops that call it. */
+ * built in the exponent bits. Branch-free, so the compiler vectorises the loops that call it (given
+ * -fno-trapping-math: kernels/fused.py; with trapping math GCC 12 left silu_mul's loop scalar). */
 static inline float exp_small(float x) {
     const float k = rintf(x * 1.44269504088896341f);
     const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-06f;

@@ -108,4 +108,7 @@ TORCH_OPS = FusedOps()
 @functools.cache  # one per directory
 def load_fused_ops(cache_dir: Path) -> FusedOps:
     """The C kernels built (once, cached under `cache_dir`/kernels), or torch's ops if they cannot be."""
-    return FusedOps(try_build("fused", _SRC, base_flags(), cache_dir, "using torch's norm and activation"))
+    # -fno-trapping-math: without it GCC keeps silu_mul's clamps as branches and its loop scalar (the
+    # kernel reads no floating-point exception flags); results are the same either way.
+    flags = (*base_flags(), "-fno-trapping-math")
+    return FusedOps(try_build("fused", _SRC, flags, cache_dir, "using torch's norm and activation"))
