@@ -9,8 +9,8 @@ decode rows of `--context` to `--context + 63` keys. Two block tables: `contiguo
 blocks one after another: a fresh engine's prompt blocks) and `scattered` (blocks in a random order over
 the pool: a long-running engine, whose LRU free queue hands out blocks freed by earlier requests). The two
 sources run alternately, step by step, so that both see the same load; the read rate of a streamed sum of
-the same number of bytes is measured in the same run. Writes bench/results/attention_kernel.{json,md,png}
-(docs/benchmarks.md, "attention_kernel.py"). Needs a quiet machine (`uptime` under 0.5).
+the same number of bytes is measured in the same run. Writes bench/results/attention_kernel.{json,md,png},
+or `--name`'s (docs/benchmarks.md, "attention_kernel.py"). Needs a quiet machine (`uptime` under 0.5).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import MODEL, bench_main
+from harness import MODEL, bench_main, describe
 from profile_step import read_rate
 
 from tandem_engine.attention.torch_backend import build_kernel, kernel_scratch
@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=256, help="fewest keys a row attends (up to 63 more)")
     ap.add_argument("--iters", type=int, default=12, help="timed steps per source and layout")
     ap.add_argument("--threads", type=int, default=None, help="threads (default: torch's)")
+    ap.add_argument("--name", default="attention_kernel", help="result name: another machine's beside this one")
     return ap.parse_args()
 
 
@@ -140,8 +141,9 @@ def table(res: dict[str, Any]) -> str:
              f"One step: {s['layers']} layers x batch {res['config']['batch']} decode rows of "
              f"{res['config']['context']}-{res['config']['context'] + 63} keys ({s['query_heads']} query heads, "
              f"{s['kv_heads']} KV heads, head dim {s['head_dim']}, block size {s['block_size']}), float32 KV from "
-             f"DRAM, {res['threads']} threads. 1-minute load {res['load_average'][0]:.2f} -> "
-             f"{res['load_average'][1]:.2f}. A streamed sum reads {res['streamed_sum_gb_s']:.1f} GB/s. "
+             f"DRAM, {res['threads']} threads, {describe(res['machine'])}. 1-minute load "
+             f"{res['load_average'][0]:.2f} -> {res['load_average'][1]:.2f}. A streamed sum reads "
+             f"{res['streamed_sum_gb_s']:.1f} GB/s. "
              f"Reproduce: `.venv/bin/{res['command']}`.", "",
              "| block table | kernel | ms per step, median / p99 | KV read GB/s | speed-up |",
              "|---|---|---|---:|---:|"]
@@ -175,7 +177,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    return bench_main("attention_kernel", parse_args(), run, table, plot)
+    args = parse_args()
+    return bench_main(args.name, args, run, table, plot)
 
 
 if __name__ == "__main__":
