@@ -388,6 +388,18 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
 #define PF_TILE 16
 #define PF_KEYS 16
 #define PF_NEG (-1e30f)  /* a masked score: finite, as -ffast-math assumes */
+/* Keys whose scores, and rows whose P x V, one pass keeps in registers: 16 and 8 vectors of 16 floats fill
+ * AVX-512's 32 registers, and would spill AVX2's 16 (each is two there). How a pass is cut does not change
+ * any float: every score and accumulator lane still adds its terms in the same order. */
+#ifndef PF_SC_KEYS
+#if defined(__AVX512F__)
+#define PF_SC_KEYS 16
+#define PF_PV_ROWS 8
+#else
+#define PF_SC_KEYS 4
+#define PF_PV_ROWS 4
+#endif
+#endif
 
 typedef struct {
     const float *q; int64_t q_tok_stride;
@@ -442,15 +454,16 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
             vrow[x] = off >= 0 ? j->vc + off : zero;
         }
         /* scores [key][row]: 16 rows at a time, one vector per key, in registers over D */
-        for (int r = 0; r < rpad; r += 16) {
-            v16 a[PF_KEYS];
-            for (int x = 0; x < PF_KEYS; x++) a[x] = zero16();
-            for (int c = 0; c < d; c++) {
-                const v16 qv = ld16(qt + (int64_t)c * rpad + r);
-                for (int x = 0; x < PF_KEYS; x++) a[x] = fma16(qv, bcast16(krow[x][c]), a[x]);
+        for (int r = 0; r < rpad; r += 16)
+            for (int x0 = 0; x0 < PF_KEYS; x0 += PF_SC_KEYS) {
+                v16 a[PF_SC_KEYS];
+                for (int x = 0; x < PF_SC_KEYS; x++) a[x] = zero16();
+                for (int c = 0; c < d; c++) {
+                    const v16 qv = ld16(qt + (int64_t)c * rpad + r);
+                    for (int x = 0; x < PF_SC_KEYS; x++) a[x] = fma16(qv, bcast16(krow[x0 + x][c]), a[x]);
+                }
+                for (int x = 0; x < PF_SC_KEYS; x++) st16(sc + (int64_t)(x0 + x) * rpad + r, a[x]);
             }
-            for (int x = 0; x < PF_KEYS; x++) st16(sc + (int64_t)x * rpad + r, a[x]);
-        }
         /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g;
          * a block wholly before the tile's first position with 16 keys needs no mask (padding rows, all
          * zero, are never written out). */
@@ -478,17 +491,18 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
             for (int r = 0; r < rpad; r++) { srow[r] = expf(srow[r] - mx[r]); tmp[r] += srow[r]; }
         }
         for (int r = 0; r < rpad; r++) sum[r] = sum[r] * alpha[r] + tmp[r];
-        /* acc = acc * alpha + P V: 8 rows at a time over 16 columns of D */
-        for (int r = 0; r < rpad; r += 8) {
+        /* acc = acc * alpha + P V: PF_PV_ROWS rows at a time over 16 columns of D */
+        for (int r = 0; r < rpad; r += PF_PV_ROWS) {
             for (int c = 0; c < d; c += 16) {
-                v16 o[8];
-                for (int i = 0; i < 8; i++) o[i] = smul16(alpha[r + i], ld16(acc + (int64_t)(r + i) * d + c));
+                v16 o[PF_PV_ROWS];
+                for (int i = 0; i < PF_PV_ROWS; i++)
+                    o[i] = smul16(alpha[r + i], ld16(acc + (int64_t)(r + i) * d + c));
                 for (int x = 0; x < PF_KEYS; x++) {
                     const v16 v = ld16(vrow[x] + c);
                     const float *p = sc + (int64_t)x * rpad + r;
-                    for (int i = 0; i < 8; i++) o[i] = fma16(bcast16(p[i]), v, o[i]);
+                    for (int i = 0; i < PF_PV_ROWS; i++) o[i] = fma16(bcast16(p[i]), v, o[i]);
                 }
-                for (int i = 0; i < 8; i++) st16(acc + (int64_t)(r + i) * d + c, o[i]);
+                for (int i = 0; i < PF_PV_ROWS; i++) st16(acc + (int64_t)(r + i) * d + c, o[i]);
             }
         }
     }
