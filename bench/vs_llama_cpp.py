@@ -19,7 +19,7 @@ on SmolLM2's shapes (where models/gguf_linear.py's DENSE_FROM_ROWS comes from).
     .venv/bin/python bench/vs_llama_cpp.py --parts quality      # perplexity only; any machine
     .venv/bin/python bench/vs_llama_cpp.py --smoke              # tiny sizes: checks that it runs
 
-Writes bench/results/vs_llama_cpp.{json,md,png} (not named llama_cpp.py: that would shadow the library).
+Writes bench/results/vs_llama_cpp.{json,md,png}, or `--name`'s (not named llama_cpp.py: that would shadow the library).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import MODEL, bench_main, text
+from harness import MODEL, bench_main, describe, text
 from quantization import TEXT, next_token_logprobs
 
 from tandem_engine.cpu_budget import plan_threads
@@ -235,7 +235,8 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def table(res: dict[str, Any]) -> str:
     c = res["config"]
-    rows = [f"SmolLM2-135M-Instruct Q4_1 GGUF, {res['threads']} threads; 1-minute load average "
+    where = f", {describe(res['machine'])}" if "machine" in res else ""
+    rows = [f"SmolLM2-135M-Instruct Q4_1 GGUF, {res['threads']} threads{where}; 1-minute load average "
             f"{res['load_average'][0]:.2f} before, {res['load_average'][1]:.2f} after.", ""]
     if "quality" in res:
         q = res["quality"]
@@ -298,11 +299,12 @@ def main() -> int:
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="let llama.cpp use its extra weight buffer types (AMX, repacking)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check that everything runs")
+    ap.add_argument("--name", default="vs_llama_cpp", help="result name: another machine's beside this one")
     a = ap.parse_args()
     if a.smoke:
         a.ctx, a.stride, a.text_tokens, a.input_len, a.output_len, a.requests = 64, 32, 160, 32, 8, 1
         a.kernel_rows, a.kernel_seconds = [1, 16], 0.05
-    return bench_main("vs_llama_cpp", a, run, table, plot)
+    return bench_main(a.name, a, run, table, plot)
 
 
 if __name__ == "__main__":
