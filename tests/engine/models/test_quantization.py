@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem_engine.models import llama
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import pick_dtype
-from tandem_engine.models.quantization import Int8Linear, check_supported
+from tandem_engine.models.quantization import INT8_DOT_FLAGS, Int8Linear, check_supported, int8_speed_warning
 from tests.engine.utils import prompt_logits, tiny_config
 
 
@@ -110,3 +111,29 @@ def test_int8_is_refused_off_the_cpu_and_off_float32() -> None:
     check_supported("none", torch.bfloat16, torch.device("cuda"))
     check_supported("int8", f32, cpu)
     assert pick_dtype("auto", "int8") is f32  # whatever the CPU: fbgemm takes float32 activations
+
+
+AVX2_ONLY = {"sse2", "avx", "avx2", "fma", "f16c"}
+
+
+def test_int8_warns_on_an_x86_cpu_without_an_int8_dot_product() -> None:
+    """torch's int8 matmul ran 20x slower than float32 on an AVX2-only EPYC: a user who asks for int8 there
+    is told why it is slow and what serves faster."""
+    slow = int8_speed_warning("x86_64", AVX2_ONLY)
+    assert slow is not None and "--quantization gguf" in slow and "avx512_vnni" in slow
+    for fast in INT8_DOT_FLAGS:
+        assert int8_speed_warning("x86_64", AVX2_ONLY | {fast}) is None
+    assert int8_speed_warning("aarch64", {"asimd"}) is None  # not judged off x86
+    assert int8_speed_warning("x86_64", set()) is None  # flags unreadable: no guess
+
+
+def test_quantizing_to_int8_logs_the_warning_where_it_applies(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(llama, "cpu_flags", lambda: AVX2_ONLY)
+    monkeypatch.setattr(llama.platform, "machine", lambda: "x86_64")
+    random_model("llama", 1).quantize("int8", torch.device("cpu"))
+    assert "torch's int8 matmul has no fast kernel here" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(llama, "cpu_flags", lambda: AVX2_ONLY | {"amx_int8"})
+    random_model("llama", 1).quantize("int8", torch.device("cpu"))
+    assert "int8 matmul" not in caplog.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import platform
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
 from tandem_engine.models.packed_linear import linear, packing_supported
-from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported
+from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +328,8 @@ class LlamaForCausalLM(nn.Module):
         if method == "none":
             return
         check_supported(method, self.dtype, device)
+        if method == "int8" and (slow := int8_speed_warning(platform.machine(), cpu_flags())):
+            logger.warning(slow)
         for layer in self.layers:
             cast(DecoderLayer, layer).quantize_int8()
         self.quantization = method

@@ -55,6 +55,23 @@ class Int8Linear:
         return self.qweight_t.t().to(torch.float32) * self.scale[:, None], self.bias
 
 
+# x86 features with which oneDNN's int8 matmul (`torch._int_mm`) has a fast kernel. Without any of them it
+# ran at 2.6-2.8 GOP/s on an AVX2-only AMD EPYC, where float32 matmuls run at 47-66 GFLOP/s: single-stream
+# decode 10 tok/s against dense's 18-19, a 256-token prompt's first token 14.7 s against 1.0
+# (docs/benchmarks.md, vs_llama_cpp_amd).
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def int8_speed_warning(machine: str, flags: set[str]) -> str | None:
+    """Why `--quantization int8` will be slower than the dense model on this CPU (an x86 CPU without an int8
+    dot-product instruction), or None."""
+    if machine not in ("x86_64", "AMD64") or not flags or flags & set(INT8_DOT_FLAGS):
+        return None
+    return ("--quantization int8 on a CPU without " + ", ".join(INT8_DOT_FLAGS) + ": torch's int8 matmul has "
+            "no fast kernel here and runs many times slower than float32 (measured 20x on an AVX2-only CPU); "
+            "--quantization gguf (AVX2 kernels) or none will serve faster")
+
+
 def check_supported(method: str, dtype: torch.dtype, device: torch.device) -> None:
     """int8 and gguf are CPU paths with float32 activations around them: a ValueError naming the flags
     otherwise."""
