@@ -408,26 +408,25 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
 #endif
 
 #if SIMD
-/* One row of x against two weight rows: two outputs as dot_tile_q8 computes each with mr = 1, the same
+/* One row of x against two Q4_1 weight rows: two outputs as dot_tile_q8 computes each with mr = 1, the same
  * floats in the same order, but two independent FMA chains over the blocks instead of one. With a single
  * row of x (single-stream decode) a block is a few instructions, and one chain kept the loop waiting on
  * the FMA latency. */
-static void dot_pair_q8(const uint8_t *row0, const uint8_t *row1, int qtype, int64_t nb, const int8_t *q,
-                        const float *d, const float *s, int64_t ms, float *out0, float *out1) {
-    const int64_t bb = block_bytes(qtype);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    __m256 mn0 = _mm256_setzero_ps(), mn1 = _mm256_setzero_ps();
+static void dot_pair_q4_1(const uint8_t *row0, const uint8_t *row1, int64_t nb, const int8_t *q, const float *d,
+                          const float *s, float *out0, float *out1) {
+    const int64_t bb = block_bytes(Q4_1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
-        block_q8(row0 + b * bb, qtype, b, nb, q, d, s, ms, 1, &acc0, &mn0);
-        block_q8(row1 + b * bb, qtype, b, nb, q, d, s, ms, 1, &acc1, &mn1);
+        block_q8(row0 + b * bb, Q4_1, b, nb, q, d, s, 1, 1, &acc[0], &mn[0]);
+        block_q8(row1 + b * bb, Q4_1, b, nb, q, d, s, 1, 1, &acc[1], &mn[1]);
     }
-    float a[8], m8[8];
-    _mm256_storeu_ps(a, acc0);
-    _mm256_storeu_ps(m8, mn0);
-    *out0 = qtype == Q4_1 ? hsum8(a) + m8[0] : hsum8(a);
-    _mm256_storeu_ps(a, acc1);
-    _mm256_storeu_ps(m8, mn1);
-    *out1 = qtype == Q4_1 ? hsum8(a) + m8[0] : hsum8(a);
+    float *out[2] = {out0, out1};
+    for (int i = 0; i < 2; i++) {
+        float a[8], m8[8];
+        _mm256_storeu_ps(a, acc[i]);
+        _mm256_storeu_ps(m8, mn[i]);
+        *out[i] = hsum8(a) + m8[0];
+    }
 }
 #endif
 
@@ -455,7 +454,7 @@ void tandem_gguf_matmul_q8_cols(const void *buf, int64_t m, const uint8_t *w, in
 #if SIMD
     if (m == 1 && qtype == Q4_1) { /* Q8_0 (the head: 30 MB a token) measured 10% slower paired */
         for (; i0 + 2 <= i1; i0 += 2)
-            dot_pair_q8(w + i0 * nb * bb, w + (i0 + 1) * nb * bb, qtype, nb, xq.q, xq.d, xq.s, m, y + i0, y + i0 + 1);
+            dot_pair_q4_1(w + i0 * nb * bb, w + (i0 + 1) * nb * bb, nb, xq.q, xq.d, xq.s, y + i0, y + i0 + 1);
     }
 #endif
     for (int64_t i = i0; i < i1; i++) {
