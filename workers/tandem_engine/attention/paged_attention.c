@@ -1,8 +1,9 @@
 /* tandem's CPU paged attention for decode rows (see torch_backend.py, which builds it with the system C
  * compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
  * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
- * holds float32, bfloat16 or float16 (kv_type 0, 1, 2); a 16-bit block is widened to float32 in a per-thread
- * buffer before use, so the arithmetic is float32 whatever the cache holds (docs/architecture.md).
+ * holds float32, bfloat16 or float16 (kv_type 0, 1, 2), and the arithmetic is float32 whatever it holds
+ * (docs/architecture.md): with head sizes a multiple of 64 the loops convert 16 values at a time as they load
+ * them (ld16kv), for other sizes a block is widened into a per-thread buffer first.
  * Below: the store of a step's keys and values (tandem_write_kv) and the tiled causal attention of prefill
  * chunks over a float32 cache (tandem_prefill_attention). */
 #include <math.h>
@@ -166,21 +167,57 @@ static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16){fma8(a.lo, b.lo, a
 static inline float hsum16(v16 v) { return hsum8(v.lo + v.hi); }
 #endif
 
+/* 16 cache values from element i of a cache of type kt (a constant at every call site), as floats: exact,
+ * since every bfloat16 and float16 is a float. The loops below read a 16-bit cache this way, in place,
+ * rather than widening each block into a buffer first: a decode row reads half the bytes of a float32
+ * cache, and no buffer is written and read back. */
+static inline __attribute__((always_inline)) v16 ld16kv(const void *base, int64_t i, const int kt) {
+    if (kt == KV_F32) return ld16((const float *)base + i);
+    const uint16_t *p = (const uint16_t *)base + i;
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (kt == KV_F16) return (v16)_mm512_cvtph_ps(h);
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 8));
+    if (kt == KV_F16) return (v16){(v8)_mm256_cvtph_ps(a), (v8)_mm256_cvtph_ps(b)};
+    return (v16){(v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16),
+                 (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)};
+#else
+    float t[16];
+    for (int k = 0; k < 16; k++) t[k] = kt == KV_F16 ? f16_to_f32(p[k]) : bf16_to_f32(p[k]);
+    return ld16(t);
+#endif
+}
+
+/* CALL with KT the constant cache type kt, so that the always-inline loops it reaches are built per type. */
+#define BY_KV_TYPE(kt, CALL)                      \
+    do {                                          \
+        if ((kt) == KV_F32) {                     \
+            const int KT = KV_F32; CALL;          \
+        } else if ((kt) == KV_F16) {              \
+            const int KT = KV_F16; CALL;          \
+        } else {                                  \
+            const int KT = KV_BF16; CALL;         \
+        }                                         \
+    } while (0)
+
 /* For nh query heads that read the same KV head: acc[k * acc_stride : + 64] += sum over the block's n tokens
- * of w[k * w_stride + o] * v[o * stride : + 64], in token order, one fused multiply-add per token and
+ * of w[k * w_stride + o] * v[v0 + o * stride : + 64] (v of cache type kt), in token order, one fused multiply-add per token and
  * lane. All nh * 4 accumulators stay in registers over the block and each V row is loaded once for the nh
  * heads, so the adds do not wait on one another. */
 static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64_t acc_stride, const float *w,
-                                                              int64_t w_stride, const float *v, int64_t n,
-                                                              int64_t stride, pf_stream *pf, int64_t per,
-                                                              const int nh) {
+                                                              int64_t w_stride, const void *v, int64_t v0,
+                                                              const int kt, int64_t n, int64_t stride,
+                                                              pf_stream *pf, int64_t per, const int nh) {
     v16 a[GROUP_MAX][4];
     for (int k = 0; k < nh; k++)
         for (int c = 0; c < 4; c++) a[k][c] = ld16(acc + k * acc_stride + 16 * c);
     for (int64_t o = 0; o < n; o++) {
         pf_step(pf, per);
-        const float *vr = v + o * stride;
-        const v16 x0 = ld16(vr), x1 = ld16(vr + 16), x2 = ld16(vr + 32), x3 = ld16(vr + 48);
+        const int64_t vr = v0 + o * stride;
+        const v16 x0 = ld16kv(v, vr, kt), x1 = ld16kv(v, vr + 16, kt), x2 = ld16kv(v, vr + 32, kt),
+                  x3 = ld16kv(v, vr + 48, kt);
         for (int k = 0; k < nh; k++) {
             const v16 wk = bcast16(w[k * w_stride + o]);
             a[k][0] = fma16(wk, x0, a[k][0]); a[k][1] = fma16(wk, x1, a[k][1]);
@@ -192,20 +229,22 @@ static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64
 }
 
 /* For nh query heads that read the same KV head, the scores of the block's n tokens:
- * s[k * s_stride + o] = scale * q[k * d : + d] . kb[o * stride : + d], for d a multiple of 64. Each K row is
+ * s[k * s_stride + o] = scale * q[k * d : + d] . kb[k0_at + o * stride : + d] (kb of cache type kt), for d
+ * a multiple of 64. Each K row is
  * loaded once for the nh heads, and a score costs one horizontal sum. A head's arithmetic is the same
  * whatever nh is, so its scores do not depend on which heads share the call. */
 static inline __attribute__((always_inline)) void scores_heads64(float *s, int64_t s_stride, const float *q, int d,
-                                                                const float *kb, int64_t n, int64_t stride,
-                                                                float scale, pf_stream *pf, int64_t per,
-                                                                const int nh) {
+                                                                const void *kb, int64_t k0_at, const int kt,
+                                                                int64_t n, int64_t stride, float scale,
+                                                                pf_stream *pf, int64_t per, const int nh) {
     for (int64_t o = 0; o < n; o++) {
         pf_step(pf, per);
-        const float *kr = kb + o * stride;
+        const int64_t kr = k0_at + o * stride;
         v16 p[GROUP_MAX];
         for (int k = 0; k < nh; k++) p[k] = zero16();
         for (int x = 0; x < d; x += 64) {
-            const v16 k0 = ld16(kr + x), k1 = ld16(kr + x + 16), k2 = ld16(kr + x + 32), k3 = ld16(kr + x + 48);
+            const v16 k0 = ld16kv(kb, kr + x, kt), k1 = ld16kv(kb, kr + x + 16, kt),
+                      k2 = ld16kv(kb, kr + x + 32, kt), k3 = ld16kv(kb, kr + x + 48, kt);
             for (int k = 0; k < nh; k++) {
                 const float *qk = q + k * d + x;
                 p[k] = fma16(ld16(qk), k0, p[k]); p[k] = fma16(ld16(qk + 16), k1, p[k]);
@@ -273,20 +312,24 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     }
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
-        const float *kb = block_f32(j, j->kc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
+        const int64_t at = (int64_t)bt[p0 / bs] * bs * tok_stride;  /* the block's first element */
         pf_stream pf = next_block(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
-        if (d % 64 != 0)
+        if (d % 64 != 0) {
+            const float *kb = block_f32(j, j->kc, at, n * tok_stride, wide);
             for (int64_t o = 0; o < n; o++)
                 for (int hi = h0; hi < h1; hi++)  /* query head hi reads kv head hi / g */
                     sc[hi * klen + p0 + o] = dot(q + hi * d, kb + o * tok_stride + (hi / g) * d, d) * j->scale;
-        else
-            for (int hi = h0; hi < h1;) {  /* up to three heads of kv head h at once */
+        } else
+            for (int hi = h0; hi < h1;) {  /* up to three heads of kv head h at once, the cache read in place */
                 const int h = hi / g, nh = group_run(hi, h1, g);
                 float *s = sc + hi * klen + p0;
-                const float *kh = kb + h * d, *qh = q + hi * d;
-                if (nh == 3) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 3);
-                else if (nh == 2) scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 2);
-                else scores_heads64(s, klen, qh, d, kh, n, tok_stride, j->scale, &pf, per, 1);
+                const float *qh = q + hi * d;
+                const int64_t kh = at + h * d;
+                BY_KV_TYPE(j->kv_type, {
+                    if (nh == 3) scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 3);
+                    else if (nh == 2) scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 2);
+                    else scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 1);
+                });
                 hi += nh;
             }
         pf_step(&pf, INT64_MAX);  /* what the loops did not request */
@@ -301,18 +344,22 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
     memset(acc + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
-        const float *vb = block_f32(j, j->vc, (int64_t)bt[p0 / bs] * bs * tok_stride, n * tok_stride, wide);
+        const int64_t at = (int64_t)bt[p0 / bs] * bs * tok_stride;
         pf_stream pf = next_block(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
+        const float *vb = d % 64 == 0 ? NULL : block_f32(j, j->vc, at, n * tok_stride, wide);
         for (int hi = h0; hi < h1;) {  /* query head hi = h * g + gi reads kv head h */
             const int h = hi / g;
             const float *w = sc + hi * klen + p0;
             float *a = acc + hi * d;
-            if (d % 64 == 0) {  /* up to three heads of kv head h at once */
+            if (d % 64 == 0) {  /* up to three heads of kv head h at once, the cache read in place */
                 const int nh = group_run(hi, h1, g);
                 for (int x = 0; x < d; x += 64) {
-                    if (nh == 3) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 3);
-                    else if (nh == 2) axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 2);
-                    else axpy_heads64(a + x, d, w, klen, vb + h * d + x, n, tok_stride, &pf, per, 1);
+                    const int64_t vh = at + h * d + x;
+                    BY_KV_TYPE(j->kv_type, {
+                        if (nh == 3) axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 3);
+                        else if (nh == 2) axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 2);
+                        else axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 1);
+                    });
                 }
                 hi += nh;
                 continue;

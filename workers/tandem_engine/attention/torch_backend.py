@@ -40,7 +40,7 @@ KERNEL_MAX_QUERY_LEN = 2
 # The kernel's C source ships beside this module; the built library is keyed on its text.
 _KERNEL_SRC = (Path(__file__).parent / "paged_attention.c").read_text()
 # The cache dtypes the kernel reads, as its `kv_type` argument.
-_KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _writes_in_one_pass(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -190,8 +190,8 @@ class TorchAttentionBackend(AttentionBackend):
         return (
             self._kernel is not None
             and query.device.type == "cpu"
-            and query.dtype in _KERNEL_KV_TYPES  # a 16-bit query widens to float32 for it (_run_kernel)
-            and k_cache.dtype in _KERNEL_KV_TYPES
+            and query.dtype in KERNEL_KV_TYPES  # a 16-bit query widens to float32 for it (_run_kernel)
+            and k_cache.dtype in KERNEL_KV_TYPES
             and query.stride(2) == 1
             and query.stride(1) == query.shape[2]
             and k_cache.is_contiguous()
@@ -340,7 +340,7 @@ class TorchAttentionBackend(AttentionBackend):
             query.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            _KERNEL_KV_TYPES[k_cache.dtype],
+            KERNEL_KV_TYPES[k_cache.dtype],
             table.data_ptr(),
             table.stride(0),
             kr.rows.data_ptr(),

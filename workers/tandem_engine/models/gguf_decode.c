@@ -3,7 +3,7 @@
  * "One C call per decode step").
  *
  * For every layer and every row (one new token per sequence): q|k|v of the normed residual stream, RoPE,
- * K and V into the paged cache, attention, o + residual, the post-attention norm, gate|up, SiLU * up,
+ * K and V into the paged cache (float32, bfloat16 or float16, rounded as torch rounds), attention, o + residual, the post-attention norm, gate|up, SiLU * up,
  * down + residual and the next norm (the next layer's input norm, or the final norm after the last layer).
  * The work itself is the other kernels' code, reached through function pointers (kernels_t): the int8
  * matmul of gguf_matmul.c (quantize x, then a range of output columns), the row kernels of kernels/fused.c
@@ -72,8 +72,10 @@ typedef struct {
     const int64_t *positions, *slots, *klens;  /* [m]: position, cache slot, keys to attend (itself included) */
     const int32_t *table;                      /* [m, table_stride] block table */
     int64_t table_stride, bs;
-    float *const *kv;                          /* [n_layers * 2]: layer i's K cache, then its V cache, each
-                                                  [num_blocks, bs, nkv, D] float32 */
+    int64_t kv_type;                           /* what the caches hold: 0 float32, 1 bfloat16, 2 float16 (the
+                                                  attention kernel's kv_type) */
+    void *const *kv;                           /* [n_layers * 2]: layer i's K cache, then its V cache, each
+                                                  [num_blocks, bs, nkv, D] of kv_type */
     float *qkv, *attn, *o, *gu, *act, *down;   /* work: [m, (nq + 2 nkv) D], [m, nq D], [m, hidden],
                                                   [m, 2 inter], [m, inter], [m, hidden] */
     void *xq;                                  /* the quantized x of m rows of the widest input (zeroed) */
@@ -137,9 +139,58 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+/* float to float16, rounded to nearest even as torch's .to(torch.float16) rounds: subnormal halves below
+ * 2^-14, infinity from 65520 on, NaN as 0x7e00. */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (x < 0x33000000u) return (uint16_t)sign; /* at most 2^-25: zero (2^-25 itself ties to even) */
+    uint32_t h, rem, half;
+    if (x < 0x38800000u) { /* a subnormal half: x's significand over 2^24 units of 2^-24 */
+        const uint32_t shift = 126u - (x >> 23), m = (x & 0x7fffffu) | 0x800000u;
+        h = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    } else { /* rebias the exponent from 127 to 15; a carry out of the significand moves into it */
+        h = (x - 0x38000000u) >> 13, rem = x & 0x1fffu, half = 0x1000u;
+    }
+    if (rem > half || (rem == half && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* float to bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) rounds; NaN as 0x7fc0. */
+static uint16_t f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* d floats of x into element `at` of a cache of kv_type (an entry point of its own for the tests). */
+void tandem_gguf_store_kv(void *cache, int64_t at, const float *x, int64_t d, int64_t kv_type) {
+    if (kv_type == KV_F32) {
+        memcpy((float *)cache + at, x, sizeof(float) * d);
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + at;
+    int64_t j = 0;
+    if (kv_type == KV_F16) {
+#if defined(__F16C__)
+        for (; j + 8 <= d; j += 8)
+            _mm_storeu_si128((__m128i *)(out + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; j < d; j++) out[j] = f32_to_f16(x[j]);
+    } else
+        for (; j < d; j++) out[j] = f32_to_bf16(x[j]);
+}
+
 /* q|k|v for thread t's heads (whole heads, so it can finish them): RoPE on q and k, then K and V into
- * their slots. */
-static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, float *kc, float *vc, int t, int nt) {
+ * their slots (rounded to the cache's type). */
+static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void *kc, void *vc, int t, int nt) {
     const int64_t d = md->d, nq = md->nq, nkv = md->nkv, heads = nq + 2 * nkv, ld = heads * d;
     const int64_t u0 = share(heads, t, nt), u1 = share(heads, t + 1, nt);
     project(&md->k, &L->qkv, s->xq, s->m, md->hidden, u0 * d, u1 * d, s->qkv);
@@ -149,14 +200,14 @@ static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, floa
             float *x = s->qkv + r * ld + u * d;
             if (u < nq + nkv) rope(x, cos, sin, d);
             if (u >= nq) /* kv head u - nq (K) or u - nq - nkv (V) */
-                memcpy((u < nq + nkv ? kc : vc) + (s->slots[r] * nkv + (u - nq) % nkv) * d, x, sizeof(float) * d);
+                tandem_gguf_store_kv(u < nq + nkv ? kc : vc, (s->slots[r] * nkv + (u - nq) % nkv) * d, x, d, s->kv_type);
         }
     }
 }
 
 /* Thread t's (row, query head) items: a contiguous run of them, cut by cost (the row's keys + ITEM_KEYS),
  * so a row's heads mostly stay together. */
-static void attention_phase(const model_t *md, const step_t *s, const float *kc, const float *vc, int t, int nt) {
+static void attention_phase(const model_t *md, const step_t *s, const void *kc, const void *vc, int t, int nt) {
     const int64_t nq = md->nq, d = md->d, ld = (nq + 2 * md->nkv) * d;
     int64_t total = 0;
     for (int64_t r = 0; r < s->m; r++) total += nq * (s->klens[r] + ITEM_KEYS);
@@ -169,7 +220,7 @@ static void attention_phase(const model_t *md, const step_t *s, const float *kc,
         const int64_t h0 = lo > base ? (lo - base + w - 1) / w : 0;
         const int64_t h1 = hi - base < nq * w ? (hi - base + w - 1) / w : nq;
         if (h0 < h1)
-            md->k.attention_heads(s->qkv + r * ld, kc, vc, 0, s->table + r * s->table_stride, s->klens[r],
+            md->k.attention_heads(s->qkv + r * ld, kc, vc, (int)s->kv_type, s->table + r * s->table_stride, s->klens[r],
                                   s->attn + r * nq * d, sc, (int)nq, (int)md->nkv, (int)d, (int)s->bs, md->scale,
                                   (int)h0, (int)h1);
         base += nq * w;
@@ -183,7 +234,7 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
     barrier_wait(bar, nt);
     for (int64_t l = 0; l < md->n_layers; l++) {
         const layer_t *L = &md->layers[l];
-        float *kc = s->kv[2 * l], *vc = s->kv[2 * l + 1];
+        void *kc = s->kv[2 * l], *vc = s->kv[2 * l + 1];
         qkv_phase(md, s, L, kc, vc, t, nt);
         barrier_wait(bar, nt);
         attention_phase(md, s, kc, vc, t, nt);
@@ -214,9 +265,11 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
 }
 
 /* One decode step (see the file comment) on up to `threads` threads. Returns 0, or -1 for shapes the step
- * does not take (an odd head size, nq not a multiple of nkv, a projection input not a multiple of 32). */
+ * does not take (an odd head size, nq not a multiple of nkv, a projection input not a multiple of 32) or an
+ * unknown kv_type. */
 int tandem_gguf_decode(const model_t *md, const step_t *s, int threads) {
     if (md->d % 2 || md->nq % md->nkv || md->hidden % QK || md->inter % QK || md->nq * md->d % QK) return -1;
+    if (s->kv_type != KV_F32 && s->kv_type != KV_BF16 && s->kv_type != KV_F16) return -1;
     barrier_t bar;
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.phase, 0);

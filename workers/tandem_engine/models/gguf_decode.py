@@ -8,8 +8,10 @@ matmul, the fused norm and SiLU rows, the paged attention) so that both paths gi
 embedding lookup and the head stay where they are (the head is one more region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
-step runs fused when every row is a decode row, there are fewer rows than the int8 kernel takes (24:
-`DENSE_FROM_ROWS`) and the KV cache is float32. Any other step runs op by op.
+step runs fused when every row is a decode row and there are fewer rows than the int8 kernel takes (24:
+`DENSE_FROM_ROWS`). Any other step runs op by op. The KV cache may hold float32, bfloat16 or float16
+(`--kv-cache-dtype`): the step rounds K and V into it as torch does and the attention kernel reads it in
+place.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
-from tandem_engine.attention.torch_backend import TorchAttentionBackend, kernel_scratch
+from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
 from tandem_engine.models.gguf_linear import GGUFKernel, GGUFLinear
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -59,12 +61,13 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("m", i64), *((name, p_) for name in ("x", "h", "positions", "slots", "klens", "table")),
-                ("table_stride", i64), ("bs", i64),
+                ("table_stride", i64), ("bs", i64), ("kv_type", i64),
                 *((name, p_) for name in ("kv", "qkv", "attn", "o", "gu", "act", "down", "xq", "scratch")),
                 ("scratch_per_thread", i64)]
 
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+_KV_NAMES = ", ".join(str(t).removeprefix("torch.") for t in KERNEL_KV_TYPES)  # the cache types the step takes
 
 
 class GGUFDecodeStep:
@@ -117,8 +120,8 @@ class GGUFDecodeStep:
             return "a prefill row in the batch"
         if meta.num_seqs >= self.row_limit:
             return f"{meta.num_seqs} rows (fused below {self.row_limit})"
-        if kv_caches[0][0].dtype != torch.float32:
-            return f"a {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV cache (fused: float32)"
+        if kv_caches[0][0].dtype not in KERNEL_KV_TYPES:
+            return f"a {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV cache (fused: {_KV_NAMES})"
         if meta.max_seq_len > self.max_positions:
             return f"a position past the RoPE table's {self.max_positions}"
         return None
@@ -126,9 +129,10 @@ class GGUFDecodeStep:
     def _kv_pointers(self, kv_caches: KVCaches) -> ctypes.Array[ctypes.c_void_p]:
         """Every layer's K and V cache, as gguf_decode.c's step_t.kv (kept while the runner passes the same list)."""
         if self._kv is None or self._kv[0] is not kv_caches:
-            if not all(c.is_contiguous() and c.dtype == torch.float32 and c.device.type == "cpu"
-                       for kv in kv_caches for c in kv):
-                raise ValueError("the fused decode step takes contiguous float32 CPU KV caches")
+            dtype = kv_caches[0][0].dtype
+            if dtype not in KERNEL_KV_TYPES or not all(
+                    c.is_contiguous() and c.dtype == dtype and c.device.type == "cpu" for kv in kv_caches for c in kv):
+                raise ValueError(f"the fused decode step takes contiguous CPU KV caches of one type ({_KV_NAMES})")
             self._kv = kv_caches, (ctypes.c_void_p * (2 * len(kv_caches)))(
                 *(c.data_ptr() for kv in kv_caches for c in kv))
         return self._kv[1]
@@ -143,14 +147,14 @@ class GGUFDecodeStep:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         klens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
         table = meta.block_table.to(torch.int32).contiguous()
-        bs = kv_caches[0][0].shape[1]
+        bs, kv_type = kv_caches[0][0].shape[1], KERNEL_KV_TYPES[kv_caches[0][0].dtype]
         threads = torch.get_num_threads()
         per_thread = kernel_scratch(self.nq, self.nkv, self.d, bs, meta.max_seq_len)
         if self._scratch.numel() < threads * per_thread:
             self._scratch = torch.empty(threads * per_thread)
         w = self._work
         step = _Step(m, x.data_ptr(), h.data_ptr(), positions.data_ptr(), slots.data_ptr(), klens.data_ptr(),
-                     table.data_ptr(), table.stride(0), bs, ctypes.cast(self._kv_pointers(kv_caches), p_),
+                     table.data_ptr(), table.stride(0), bs, kv_type, ctypes.cast(self._kv_pointers(kv_caches), p_),
                      w["qkv"].data_ptr(), w["attn"].data_ptr(), w["o"].data_ptr(), w["gu"].data_ptr(),
                      w["act"].data_ptr(), w["down"].data_ptr(), self._xq.data_ptr(), self._scratch.data_ptr(),
                      per_thread)
@@ -164,8 +168,8 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
     """Why `model` cannot take the fused step at all, or None."""
     if model.quantization != "gguf":
         return f"--quantization {model.quantization}, not gguf"
-    if kv_dtype != torch.float32:
-        return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: float32)"
+    if kv_dtype not in KERNEL_KV_TYPES:
+        return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: {_KV_NAMES})"
     if model.ops.row_entries is None:
         return "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
     if not isinstance(backend, TorchAttentionBackend) or backend.heads_kernel is None:
