@@ -411,22 +411,53 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
 /* One row of x against two Q4_1 weight rows: two outputs as dot_tile_q8 computes each with mr = 1, the same
  * floats in the same order, but two independent FMA chains over the blocks instead of one. With a single
  * row of x (single-stream decode) a block is a few instructions, and one chain kept the loop waiting on
- * the FMA latency. */
+ * the FMA latency. The scalar parts of a block are scalar here: d_w * d_x (the same product in every lane
+ * of block_q8's vector multiply) is broadcast once made, and m_w * s_x is added to a float, as lane 0 of
+ * block_q8's vector of mins adds it (rounded apart: this file is built with -ffp-contract=off). */
 static void dot_pair_q4_1(const uint8_t *row0, const uint8_t *row1, int64_t nb, const int8_t *q, const float *d,
                           const float *s, float *out0, float *out1) {
     const int64_t bb = block_bytes(Q4_1);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const uint8_t *rows[2] = {row0, row1};
+    const __m256i shift = _mm256_setr_epi64x(0, 0, 4, 4), low = _mm256_set1_epi8(15);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float mn[2] = {0.f, 0.f};
     for (int64_t b = 0; b < nb; b++) {
-        block_q8(row0 + b * bb, Q4_1, b, nb, q, d, s, 1, 1, &acc[0], &mn[0]);
-        block_q8(row1 + b * bb, Q4_1, b, nb, q, d, s, 1, 1, &acc[1], &mn[1]);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        const float dx = d[b], sx = s[b];
+        for (int i = 0; i < 2; i++) {
+            const uint8_t *blk = rows[i] + b * bb;
+            const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+            const __m256i wu = _mm256_and_si256(_mm256_srlv_epi64(raw, shift), low);
+            int32_t dm_bits;
+            memcpy(&dm_bits, blk, 4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)); /* d_w, m_w */
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+            acc[i] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(_mm_cvtss_f32(dm) * dx), acc[i]);
+            mn[i] = mn[i] + _mm_cvtss_f32(_mm_movehdup_ps(dm)) * sx;
+        }
     }
     float *out[2] = {out0, out1};
     for (int i = 0; i < 2; i++) {
-        float a[8], m8[8];
+        float a[8];
         _mm256_storeu_ps(a, acc[i]);
-        _mm256_storeu_ps(m8, mn[i]);
-        *out[i] = hsum8(a) + m8[0];
+        *out[i] = hsum8(a) + mn[i];
     }
+}
+/* One row of x against one Q8_0 weight row: dot_tile_q8's floats with mr = 1, its scale product d_w * d_x
+ * made once as a float and broadcast (the same product in every lane of block_q8's vector multiply). */
+static float dot_one_q8_0(const uint8_t *row, int64_t nb, const int8_t *q, const float *d) {
+    const int64_t bb = block_bytes(Q8_0);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)));
+        acc = _mm256_fmadd_ps(lanes, _mm256_set1_ps(fp16(blk) * d[b]), acc);
+    }
+    float a[8];
+    _mm256_storeu_ps(a, acc);
+    return hsum8(a);
 }
 #endif
 
@@ -452,9 +483,11 @@ void tandem_gguf_matmul_q8_cols(const void *buf, int64_t m, const uint8_t *w, in
     const int64_t bb = block_bytes(qtype), nb = k / QK;
     const xq8 xq = xq8_at(buf, m, nb);
 #if SIMD
-    if (m == 1 && qtype == Q4_1) { /* Q8_0 (the head: 30 MB a token) measured 10% slower paired */
+    if (m == 1 && qtype == Q4_1) {
         for (; i0 + 2 <= i1; i0 += 2)
             dot_pair_q4_1(w + i0 * nb * bb, w + (i0 + 1) * nb * bb, nb, xq.q, xq.d, xq.s, y + i0, y + i0 + 1);
+    } else if (m == 1) { /* Q8_0 (the head: 30 MB a token) measured 10% slower paired */
+        for (; i0 < i1; i0++) y[i0] = dot_one_q8_0(w + i0 * nb * bb, nb, xq.q, xq.d);
     }
 #endif
     for (int64_t i = i0; i < i1; i++) {
