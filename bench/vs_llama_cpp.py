@@ -8,8 +8,9 @@ ids (the model's own tokenizer), so the numbers differ only by how each computes
 within 1% of llama.cpp. tandem dense (transformers' dequantization of the same file) is there for scale.
 
 Speed (a quiet machine only, else noise): single-stream decode (one request, --output-len tokens after a
---input-len-token prompt) and TTFT for tandem dense, tandem gguf, tandem int8 (each a real `tandem serve
---num-threads T`), transformers' `generate` and llama.cpp, all with T threads.
+--input-len-token prompt) and TTFT for tandem dense, tandem gguf (float32 and float16 KV cache), tandem int8
+(each a real `tandem serve --num-threads T`), transformers' `generate` and llama.cpp (float16 KV cache, its
+default), all with T threads.
 
 Kernel: the gguf projections' time per call at 1..64 rows, C kernel against dequantize + torch's matmul,
 on SmolLM2's shapes (where models/gguf_linear.py's DENSE_FROM_ROWS comes from).
@@ -42,7 +43,10 @@ from tandem_engine.models.loader import load_config_and_tokenizer, load_model, r
 from tandem_router.procs import tandem_child
 
 PARTS = ("quality", "speed", "kernel")
-TANDEM_MODES = ("none", "gguf", "int8")
+# tandem's single-stream runs: name -> (--quantization, other flags). llama.cpp keeps its KV cache in float16
+# by default (llama-cpp-python's Llama() as called here), so "gguf f16 KV" is tandem set up as it is.
+TANDEM_RUNS = {"none": ("none", []), "gguf": ("gguf", []), "gguf f16 KV": ("gguf", ["--kv-cache-dtype", "float16"]),
+               "int8": ("int8", [])}
 
 
 def llama(a: argparse.Namespace, n_ctx: int, logits_all: bool) -> Any:
@@ -140,12 +144,14 @@ def prompt_ids(a: argparse.Namespace) -> list[int]:
     return ids
 
 
-async def tandem_speed(mode: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
+async def tandem_speed(name: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tandem_router.bench import bench, build_parser
 
-    server = tandem_child(f"serve-{mode}", "serve", [
+    mode, flags = TANDEM_RUNS[name]
+    tag = name.replace(" ", "-")
+    server = tandem_child(f"serve-{tag}", "serve", [
         "--model", MODEL, "--dtype", "float32", "--quantization", mode, "--num-threads", str(a.threads),
-        "--max-num-seqs", "4"], work / f"serve-{mode}.log").start()
+        "--max-num-seqs", "4", *flags], work / f"serve-{tag}.log").start()
     try:
         startup = server.wait_healthy(3600)
         args = build_parser().parse_args([
@@ -224,7 +230,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         res["quality"] = quality(a)
     if "speed" in a.parts:
         ids = prompt_ids(a)
-        speed = {f"tandem {m}": await tandem_speed(m, a, work) for m in TANDEM_MODES}
+        speed = {f"tandem {m}": await tandem_speed(m, a, work) for m in TANDEM_RUNS}
         speed["transformers"] = transformers_speed(a, ids)
         speed["llama.cpp"] = llama_cpp_speed(a, ids)
         res["speed"] = speed

@@ -13,7 +13,7 @@
  * Why: run op by op, a step is ~150 parallel regions, and under OMP_WAIT_POLICY=PASSIVE (cpu_budget.py: an
  * idle engine must not spin) each one wakes sleeping threads. Here the threads are woken once per step and
  * meet between phases at a barrier of their own that spins a bounded while, then yields the CPU (a peer
- * may be descheduled where engines share cores). Matmuls split their output columns over the threads, the
+ * may be descheduled where engines share cores). Matmuls hand out their output columns in runs (take), the
  * attention its (row, query head) items weighted by the row's context, the norms their rows. */
 #include <math.h>
 #include <omp.h>
@@ -83,14 +83,21 @@ typedef struct {
     int64_t scratch_per_thread;
 } step_t;
 
-typedef struct { atomic_int arrived, phase; } barrier_t;
+/* next: the first item of the current phase that no thread has taken yet (phases hand out their items
+ * dynamically, below). */
+typedef struct { atomic_int arrived, phase; atomic_llong next; } barrier_t;
 
-/* Every thread of nt waits here until all have arrived; what each wrote before is visible to all after. */
+/* Every thread of nt waits here until all have arrived; what each wrote before is visible to all after,
+ * and the next phase hands out its items from the first. */
 static void barrier_wait(barrier_t *b, int nt) {
-    if (nt == 1) return;
+    if (nt == 1) {
+        atomic_store_explicit(&b->next, 0, memory_order_relaxed);
+        return;
+    }
     const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nt - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->next, 0, memory_order_relaxed); /* every thread is done taking items */
         atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
         return;
     }
@@ -104,6 +111,25 @@ static void barrier_wait(barrier_t *b, int nt) {
 
 /* Thread t's share [share(n, t, nt), share(n, t + 1, nt)) of n items. */
 static inline int64_t share(int64_t n, int t, int nt) { return n * t / nt; }
+
+/* Items of a phase handed out dynamically: the threads take runs of `chunk` from a shared counter until
+ * none are left, so a thread that loses its core for a while (the API server answering a token, another
+ * engine) leaves its share to the others instead of holding them all at the next barrier. Static shares
+ * cost a whole step what one descheduled thread lost. Returns the start of the run taken, or n. */
+static inline int64_t take(barrier_t *b, int64_t n, int64_t chunk) {
+    const int64_t i = atomic_fetch_add_explicit(&b->next, chunk, memory_order_relaxed);
+    return i < n ? i : n;
+}
+
+/* Runs per thread a phase's items are cut into: more even out a descheduled thread, each costs a shared
+ * counter's cache line moving between cores. */
+#define RUNS_PER_THREAD 4
+
+/* The run length for n items over nt threads, a multiple of `align` (whole groups of the matmul's rows). */
+static inline int64_t run_length(int64_t n, int nt, int64_t align) {
+    const int64_t c = (n + (int64_t)nt * RUNS_PER_THREAD - 1) / ((int64_t)nt * RUNS_PER_THREAD);
+    return (c + align - 1) / align * align;
+}
 
 /* Output columns [c0, c1) of projection p, for the m rows quantized in xq, into y [m, p->cols]. */
 static void project(const kernels_t *k, const proj_t *p, const void *xq, int64_t m, int64_t kdim, int64_t c0,
@@ -188,21 +214,26 @@ void tandem_gguf_store_kv(void *cache, int64_t at, const float *x, int64_t d, in
         for (; j < d; j++) out[j] = f32_to_bf16(x[j]);
 }
 
-/* q|k|v for thread t's heads (whole heads, so it can finish them): RoPE on q and k, then K and V into
+/* q|k|v a head at a time (whole heads, so a thread can finish them): RoPE on q and k, then K and V into
  * their slots (rounded to the cache's type). */
-static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void *kc, void *vc, int t, int nt) {
+static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void *kc, void *vc, barrier_t *bar) {
     const int64_t d = md->d, nq = md->nq, nkv = md->nkv, heads = nq + 2 * nkv, ld = heads * d;
-    const int64_t u0 = share(heads, t, nt), u1 = share(heads, t + 1, nt);
-    project(&md->k, &L->qkv, s->xq, s->m, md->hidden, u0 * d, u1 * d, s->qkv);
-    for (int64_t r = 0; r < s->m; r++) {
-        const float *cos = md->rope_cos + s->positions[r] * d, *sin = md->rope_sin + s->positions[r] * d;
-        for (int64_t u = u0; u < u1; u++) {
+    for (int64_t u; (u = take(bar, heads, 1)) < heads;) {
+        project(&md->k, &L->qkv, s->xq, s->m, md->hidden, u * d, (u + 1) * d, s->qkv);
+        for (int64_t r = 0; r < s->m; r++) {
             float *x = s->qkv + r * ld + u * d;
-            if (u < nq + nkv) rope(x, cos, sin, d);
+            if (u < nq + nkv) rope(x, md->rope_cos + s->positions[r] * d, md->rope_sin + s->positions[r] * d, d);
             if (u >= nq) /* kv head u - nq (K) or u - nq - nkv (V) */
                 tandem_gguf_store_kv(u < nq + nkv ? kc : vc, (s->slots[r] * nkv + (u - nq) % nkv) * d, x, d, s->kv_type);
         }
     }
+}
+
+/* Output columns of projection p handed out in runs (take), for the m rows quantized in xq, into y. */
+static void project_runs(const kernels_t *k, const proj_t *p, const void *xq, int64_t m, int64_t kdim, float *y,
+                         barrier_t *bar, int nt) {
+    const int64_t n = p->cols, chunk = run_length(n, nt, 4);
+    for (int64_t c; (c = take(bar, n, chunk)) < n;) project(k, p, xq, m, kdim, c, c + chunk < n ? c + chunk : n, y);
 }
 
 /* Thread t's (row, query head) items: a contiguous run of them, cut by cost (the row's keys + ITEM_KEYS),
@@ -235,17 +266,17 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
     for (int64_t l = 0; l < md->n_layers; l++) {
         const layer_t *L = &md->layers[l];
         void *kc = s->kv[2 * l], *vc = s->kv[2 * l + 1];
-        qkv_phase(md, s, L, kc, vc, t, nt);
+        qkv_phase(md, s, L, kc, vc, bar);
         barrier_wait(bar, nt);
         attention_phase(md, s, kc, vc, t, nt);
         barrier_wait(bar, nt);
         k->quantize(s->attn, nqd, m, nqd, share(m * nqd / QK, t, nt), share(m * nqd / QK, t + 1, nt), s->xq);
         barrier_wait(bar, nt);
-        project(k, &L->o, s->xq, m, nqd, share(hd, t, nt), share(hd, t + 1, nt), s->o);
+        project_runs(k, &L->o, s->xq, m, nqd, s->o, bar, nt);
         barrier_wait(bar, nt);
         norm_rows(md, s, s->o, L->post_attn_norm, s->xq, t, nt);
         barrier_wait(bar, nt);
-        project(k, &L->gate_up, s->xq, m, hd, share(2 * inter, t, nt), share(2 * inter, t + 1, nt), s->gu);
+        project_runs(k, &L->gate_up, s->xq, m, hd, s->gu, bar, nt);
         barrier_wait(bar, nt);
         /* SiLU * up 32 columns at a time, each run quantized as soon as it is made */
         const int64_t nb = inter / QK;
@@ -256,7 +287,7 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
             k->quantize(s->act, inter, m, inter, i, i + 1, s->xq);
         }
         barrier_wait(bar, nt);
-        project(k, &L->down, s->xq, m, inter, share(hd, t, nt), share(hd, t + 1, nt), s->down);
+        project_runs(k, &L->down, s->xq, m, inter, s->down, bar, nt);
         barrier_wait(bar, nt);
         const int last = l == md->n_layers - 1;
         norm_rows(md, s, s->down, L->next_norm, last ? NULL : s->xq, t, nt);
@@ -273,6 +304,7 @@ int tandem_gguf_decode(const model_t *md, const step_t *s, int threads) {
     barrier_t bar;
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.phase, 0);
+    atomic_init(&bar.next, 0);
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     run(md, s, &bar, omp_get_thread_num(), omp_get_num_threads());
