@@ -144,58 +144,97 @@ def prompt_ids(a: argparse.Namespace) -> list[int]:
     return ids
 
 
-async def tandem_speed(name: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from tandem_router.bench import bench, build_parser
-
+def tandem_server(name: str, a: argparse.Namespace, work: Path) -> tuple[Any, float]:
+    """A real `tandem serve` for run `name` of TANDEM_RUNS, healthy, and its start-up seconds."""
     mode, flags = TANDEM_RUNS[name]
     tag = name.replace(" ", "-")
     server = tandem_child(f"serve-{tag}", "serve", [
         "--model", MODEL, "--dtype", "float32", "--quantization", mode, "--num-threads", str(a.threads),
-        "--max-num-seqs", "4", *flags], work / f"serve-{tag}.log").start()
+        "--max-num-seqs", "4", "--kv-cache-gib", "0.5", *flags], work / f"serve-{tag}.log").start()
     try:
-        startup = server.wait_healthy(3600)
-        args = build_parser().parse_args([
-            "--url", server.url, "--workload", "random", "--concurrency", "1", "--num-prompts",
-            str(a.requests + 1), "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--seed", "0"])
-        s = (await bench(args))[0]["summary"]
-    finally:
+        return server, server.wait_healthy(3600)
+    except BaseException:
         server.stop(60)
-    return {"decode_tok_s": 1000 / s["itl_ms"]["p50"], "ttft_ms": s["ttft_ms"]["p50"], "startup_s": startup,
-            "failed": s["failed"]}
+        raise
 
 
-def transformers_speed(a: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
+async def tandem_once(url: str, a: argparse.Namespace, seed: int) -> tuple[float, float, int]:
+    """One streamed request through the HTTP API: (TTFT ms, decode tok/s from its median inter-token gap,
+    failed requests)."""
+    from tandem_router.bench import bench, build_parser
+
+    args = build_parser().parse_args([
+        "--url", url, "--workload", "random", "--concurrency", "1", "--num-prompts", "1",
+        "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--seed", str(seed)])
+    s = (await bench(args))[0]["summary"]
+    return s["ttft_ms"]["p50"], 1000 / s["itl_ms"]["p50"], s["failed"]
+
+
+def transformers_once(hf: Any, a: argparse.Namespace, ids: list[int]) -> tuple[float, float]:
+    """(TTFT ms, decode tok/s) of transformers' greedy `generate`: a 1-token run, then the whole one."""
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    hf.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf.generate(x, max_new_tokens=a.output_len, min_new_tokens=a.output_len, do_sample=False, pad_token_id=0)
+    return 1000 * ttft, (a.output_len - 1) / (time.perf_counter() - t0 - ttft)
+
+
+def llama_cpp_once(llm: Any, a: argparse.Namespace, ids: list[int]) -> tuple[float, float]:
+    """(TTFT ms, decode tok/s) of one greedy llama.cpp generation."""
+    llm.reset()  # else generate() reuses the previous run's evaluated prompt
+    t0 = time.perf_counter()
+    stamps = []
+    for _tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, past any end-of-text
+        stamps.append(time.perf_counter())
+        if len(stamps) == a.output_len:
+            break
+    return 1000 * (stamps[0] - t0), (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+async def speed(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Every engine up at once (idle ones take no CPU), then rounds of one request each, in turn: a machine
+    whose speed drifts over minutes (a shared VM's does, by 10-30%) moves every engine of a round alike, and
+    the ratio to llama.cpp is taken round by round. Round 0 warms up and is not counted."""
     from transformers import AutoModelForCausalLM
 
+    ids = prompt_ids(a)
     torch.set_num_threads(a.threads)
-    hf = AutoModelForCausalLM.from_pretrained(weights_dir(resolve_model(MODEL)), dtype=torch.float32).eval()
-    x = torch.tensor([ids])
-    runs = []
-    for _ in range(a.requests + 1):  # the first warms up
-        t0 = time.perf_counter()
-        hf.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        hf.generate(x, max_new_tokens=a.output_len, min_new_tokens=a.output_len, do_sample=False, pad_token_id=0)
-        runs.append((ttft, (a.output_len - 1) / (time.perf_counter() - t0 - ttft)))
-    return {"ttft_ms": 1000 * float(np.median([r[0] for r in runs[1:]])),
-            "decode_tok_s": float(np.median([r[1] for r in runs[1:]]))}
-
-
-def llama_cpp_speed(a: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
-    llm = llama(a, a.input_len + a.output_len + 16, logits_all=False)
-    runs = []
-    for _ in range(a.requests + 1):  # the first warms up
-        llm.reset()  # else generate() reuses the previous run's evaluated prompt
-        t0 = time.perf_counter()
-        stamps = []
-        for _tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, past any end-of-text
-            stamps.append(time.perf_counter())
-            if len(stamps) == a.output_len:
-                break
-        runs.append((stamps[0] - t0, (len(stamps) - 1) / (stamps[-1] - stamps[0])))
-    return {"ttft_ms": 1000 * float(np.median([r[0] for r in runs[1:]])),
-            "decode_tok_s": float(np.median([r[1] for r in runs[1:]]))}
+    servers: dict[str, Any] = {}
+    startup: dict[str, float] = {}
+    try:
+        for name in TANDEM_RUNS:
+            servers[name], startup[name] = tandem_server(name, a, work)
+        hf = AutoModelForCausalLM.from_pretrained(weights_dir(resolve_model(MODEL)), dtype=torch.float32).eval()
+        llm = llama(a, a.input_len + a.output_len + 16, logits_all=False)
+        runs: dict[str, list[tuple[float, float]]] = {}
+        failed = dict.fromkeys(TANDEM_RUNS, 0)
+        for r in range(a.requests + 1):
+            for name, server in servers.items():
+                ttft, tok_s, bad = await tandem_once(server.url, a, seed=r)
+                failed[name] += bad
+                runs.setdefault(f"tandem {name}", []).append((ttft, tok_s))
+            runs.setdefault("transformers", []).append(transformers_once(hf, a, ids))
+            runs.setdefault("llama.cpp", []).append(llama_cpp_once(llm, a, ids))
+    finally:
+        for server in servers.values():
+            server.stop(60)
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        counted = rs[1:]
+        out[name] = {"ttft_ms": float(np.median([r[0] for r in counted])),
+                     "decode_tok_s": float(np.median([r[1] for r in counted])),
+                     "rounds_decode_tok_s": [r[1] for r in counted]}
+        tandem = name.removeprefix("tandem ")
+        if tandem in TANDEM_RUNS:
+            out[name] |= {"startup_s": startup[tandem], "failed": failed[tandem]}
+    for name in ("gguf", "gguf f16 KV"):
+        ratios = [t / ll for t, ll in zip(out[f"tandem {name}"]["rounds_decode_tok_s"],
+                                          out["llama.cpp"]["rounds_decode_tok_s"], strict=True)]
+        out[f"tandem {name}"]["vs_llama_cpp_rounds"] = ratios
+        out[f"tandem {name}"]["vs_llama_cpp"] = float(np.median(ratios))
+    return out
 
 
 def kernel_rows(a: argparse.Namespace) -> dict[str, Any]:
@@ -229,11 +268,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     if "quality" in a.parts:
         res["quality"] = quality(a)
     if "speed" in a.parts:
-        ids = prompt_ids(a)
-        speed = {f"tandem {m}": await tandem_speed(m, a, work) for m in TANDEM_RUNS}
-        speed["transformers"] = transformers_speed(a, ids)
-        speed["llama.cpp"] = llama_cpp_speed(a, ids)
-        res["speed"] = speed
+        res["speed"] = await speed(a, work)
     if "kernel" in a.parts:
         res["kernel"] = kernel_rows(a)
     return res
@@ -256,9 +291,14 @@ def table(res: dict[str, Any]) -> str:
                    if "tandem_gguf_decode" in q else []),
                  f"| tandem dense (dequantized file) | {q['tandem_none']:.3f} |", ""]
     if "speed" in res:
-        rows += [f"Single stream: {c['output_len']} tokens after a {c['input_len']}-token prompt, median of "
-                 f"{c['requests']} requests.", "", "| engine | decode tok/s | TTFT (ms) |", "|---|---|---|"]
-        rows += [f"| {n} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} |" for n, r in res["speed"].items()]
+        rows += [f"Single stream: {c['output_len']} tokens after a {c['input_len']}-token prompt, medians of "
+                 f"{c['requests']} rounds (each engine one request per round, in turn, after a warm-up round); "
+                 "decode tok/s against llama.cpp's of the same round, median (range).", "",
+                 "| engine | decode tok/s | TTFT (ms) | vs llama.cpp |", "|---|---|---|---|"]
+        for n, r in res["speed"].items():
+            vs = (f"{r['vs_llama_cpp']:.3f}x ({min(r['vs_llama_cpp_rounds']):.3f}-"
+                  f"{max(r['vs_llama_cpp_rounds']):.3f})" if "vs_llama_cpp" in r else "")
+            rows.append(f"| {n} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} | {vs} |")
         rows.append("")
     if "kernel" in res:
         names = list(next(iter(res["kernel"].values()))["kernel"])
@@ -299,7 +339,8 @@ def main() -> int:
     ap.add_argument("--text-tokens", type=int, default=100_000, help="score at most this many tokens of the text")
     ap.add_argument("--input-len", type=int, default=256, help="prompt tokens of the speed runs")
     ap.add_argument("--output-len", type=int, default=128, help="output tokens of the speed runs")
-    ap.add_argument("--requests", type=int, default=3, help="single-stream requests per engine, after a warm-up")
+    ap.add_argument("--requests", type=int, default=5,
+                    help="single-stream rounds (a request per engine each), after a warm-up")
     ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     ap.add_argument("--kernel-seconds", type=float, default=1.0, help="timing per projection and path")
     ap.add_argument("--llama-extra-bufts", action="store_true",
