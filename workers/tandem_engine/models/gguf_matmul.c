@@ -34,6 +34,15 @@
 #endif
 
 enum { Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
+/* Bytes ahead of the block being read that the single-row loops (dot_rows_*) request: with one row of x a
+ * weight byte is used once, so a token streams every weight from memory, and the hardware prefetcher alone
+ * kept the loops waiting on it. In the engine on the AVX2 EPYC (one stream, 200 steps in turn with the
+ * build without it): 2048 bytes every block 1.18-1.29x, every second block 1.15x, every fourth 1.08x;
+ * 1024 and 4096 bytes 1.17x and 1.23x. Tiles of several rows reuse each block and are not helped (8
+ * sequences: 0.98x), so they do not prefetch. */
+#ifndef PF_DIST
+#define PF_DIST 2048
+#endif
 #define QK 32                /* weights per block */
 #define TILE 8               /* rows of x per register tile: 8 accumulators + 4 unpacked weight vectors */
 
@@ -428,6 +437,7 @@ static inline __attribute__((always_inline)) void dot_rows_q4_1(const uint8_t *r
         const float dx = d[b], sx = s[b];
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = row0 + i * row_bytes + b * bb;
+            _mm_prefetch((const char *)blk + PF_DIST, _MM_HINT_T0);
             const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
             const __m256i wu = _mm256_and_si256(_mm256_srlv_epi64(raw, shift), low);
             int32_t dm_bits;
@@ -459,6 +469,7 @@ static inline __attribute__((always_inline)) void dot_rows_q8_0(const uint8_t *r
         const float dx = d[b];
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = row0 + i * row_bytes + b * bb;
+            _mm_prefetch((const char *)blk + PF_DIST, _MM_HINT_T0);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
             const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)));
             acc[i] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(fp16(blk) * dx), acc[i]);
