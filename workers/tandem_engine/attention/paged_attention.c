@@ -167,13 +167,13 @@ static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16){fma8(a.lo, b.lo, a
 static inline float hsum16(v16 v) { return hsum8(v.lo + v.hi); }
 #endif
 
-/* 16 cache values from element i of a cache of type kt (a constant at every call site), as floats: exact,
+/* The 16 cache values at `at` of a cache of type kt (a constant at every call site), as floats: exact,
  * since every bfloat16 and float16 is a float. The loops below read a 16-bit cache this way, in place,
  * rather than widening each block into a buffer first: a decode row reads half the bytes of a float32
  * cache, and no buffer is written and read back. */
-static inline __attribute__((always_inline)) v16 ld16kv(const void *base, int64_t i, const int kt) {
-    if (kt == KV_F32) return ld16((const float *)base + i);
-    const uint16_t *p = (const uint16_t *)base + i;
+static inline __attribute__((always_inline)) v16 ld16kv(const char *at, const int kt) {
+    if (kt == KV_F32) return ld16((const float *)at);
+    const uint16_t *p = (const uint16_t *)at;
 #if defined(__AVX512F__)
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     if (kt == KV_F16) return (v16)_mm512_cvtph_ps(h);
@@ -215,9 +215,10 @@ static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64
         for (int c = 0; c < 4; c++) a[k][c] = ld16(acc + k * acc_stride + 16 * c);
     for (int64_t o = 0; o < n; o++) {
         pf_step(pf, per);
-        const int64_t vr = v0 + o * stride;
-        const v16 x0 = ld16kv(v, vr, kt), x1 = ld16kv(v, vr + 16, kt), x2 = ld16kv(v, vr + 32, kt),
-                  x3 = ld16kv(v, vr + 48, kt);
+        const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
+        const char *vr = (const char *)v + (v0 + o * stride) * es;
+        const v16 x0 = ld16kv(vr, kt), x1 = ld16kv(vr + 16 * es, kt), x2 = ld16kv(vr + 32 * es, kt),
+                  x3 = ld16kv(vr + 48 * es, kt);
         for (int k = 0; k < nh; k++) {
             const v16 wk = bcast16(w[k * w_stride + o]);
             a[k][0] = fma16(wk, x0, a[k][0]); a[k][1] = fma16(wk, x1, a[k][1]);
@@ -239,12 +240,14 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
                                                                 pf_stream *pf, int64_t per, const int nh) {
     for (int64_t o = 0; o < n; o++) {
         pf_step(pf, per);
-        const int64_t kr = k0_at + o * stride;
+        const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
+        const char *kr = (const char *)kb + (k0_at + o * stride) * es;
         v16 p[GROUP_MAX];
         for (int k = 0; k < nh; k++) p[k] = zero16();
         for (int x = 0; x < d; x += 64) {
-            const v16 k0 = ld16kv(kb, kr + x, kt), k1 = ld16kv(kb, kr + x + 16, kt),
-                      k2 = ld16kv(kb, kr + x + 32, kt), k3 = ld16kv(kb, kr + x + 48, kt);
+            const char *kx = kr + x * es;
+            const v16 k0 = ld16kv(kx, kt), k1 = ld16kv(kx + 16 * es, kt), k2 = ld16kv(kx + 32 * es, kt),
+                      k3 = ld16kv(kx + 48 * es, kt);
             for (int k = 0; k < nh; k++) {
                 const float *qk = q + k * d + x;
                 p[k] = fma16(ld16(qk), k0, p[k]); p[k] = fma16(ld16(qk + 16), k1, p[k]);
@@ -289,9 +292,11 @@ static pf_stream next_block(const job_t *j, const void *cache, const int32_t *bt
 }
 
 /* Query heads [h0, h1) of work row r, with one thread's scratch sc: scores and accumulators at every head's
- * own place whatever the range, so a head's floats do not depend on which heads share its call. noinline:
- * the whole-row kernel and the head-range entry run this one copy. */
-static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int h1, float *sc) {
+ * own place whatever the range, so a head's floats do not depend on which heads share its call. kt: the
+ * cache type, a constant in each copy below (one_f32 ...), which the whole-row kernel and the head-range
+ * entry both run. */
+static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t r, int h0, int h1, float *sc,
+                                                          const int kt) {
     const int g = j->nq / j->nkv, d = j->d, bs = j->bs, nkv = j->nkv, nq = j->nq;
     const int64_t row = j->rows[r], klen = j->klens[r];
     const int32_t *bt = j->table + j->seqs[r] * j->table_stride;
@@ -325,7 +330,7 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
                 float *s = sc + hi * klen + p0;
                 const float *qh = q + hi * d;
                 const int64_t kh = at + h * d;
-                BY_KV_TYPE(j->kv_type, {
+                BY_KV_TYPE(kt, {
                     if (nh == 3) scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 3);
                     else if (nh == 2) scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 2);
                     else scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 1);
@@ -355,7 +360,7 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
                 const int nh = group_run(hi, h1, g);
                 for (int x = 0; x < d; x += 64) {
                     const int64_t vh = at + h * d + x;
-                    BY_KV_TYPE(j->kv_type, {
+                    BY_KV_TYPE(kt, {
                         if (nh == 3) axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 3);
                         else if (nh == 2) axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 2);
                         else axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 1);
@@ -373,6 +378,23 @@ static __attribute__((noinline)) void one(const job_t *j, int64_t r, int h0, int
         pf_step(&pf, INT64_MAX);
     }
     memcpy(j->out + (row * nq + h0) * d, acc + h0 * d, sizeof(float) * (h1 - h0) * d);
+}
+
+/* One copy of `one` per cache type, each built like a kernel of its own: in a single copy holding every
+ * type's loops, GCC 12 made the float32 loops 1.45x slower (bench/attention_kernel.py). */
+static __attribute__((noinline)) void one_f32(const job_t *j, int64_t r, int h0, int h1, float *sc) {
+    one_t(j, r, h0, h1, sc, KV_F32);
+}
+static __attribute__((noinline)) void one_bf16(const job_t *j, int64_t r, int h0, int h1, float *sc) {
+    one_t(j, r, h0, h1, sc, KV_BF16);
+}
+static __attribute__((noinline)) void one_f16(const job_t *j, int64_t r, int h0, int h1, float *sc) {
+    one_t(j, r, h0, h1, sc, KV_F16);
+}
+static void one(const job_t *j, int64_t r, int h0, int h1, float *sc) {
+    if (j->kv_type == KV_F32) one_f32(j, r, h0, h1, sc);
+    else if (j->kv_type == KV_BF16) one_bf16(j, r, h0, h1, sc);
+    else one_f16(j, r, h0, h1, sc);
 }
 
 int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
