@@ -42,7 +42,7 @@ from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import load_config_and_tokenizer, load_model, resolve_model, weights_dir
 from tandem_router.procs import tandem_child
 
-PARTS = ("quality", "speed", "kernel")
+PARTS = ("quality", "speed", "in_process", "kernel")
 # tandem's single-stream runs: name -> (--quantization, other flags). llama.cpp keeps its KV cache in float16
 # by default (llama-cpp-python's Llama() as called here), so "gguf f16 KV" is tandem set up as it is.
 TANDEM_RUNS = {"none": ("none", []), "gguf": ("gguf", []), "gguf f16 KV": ("gguf", ["--kv-cache-dtype", "float16"]),
@@ -237,6 +237,47 @@ async def speed(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
+def in_process(a: argparse.Namespace) -> dict[str, Any]:
+    """The engine alone, without HTTP: an in-process EngineCore (--quantization gguf, float32 and float16 KV)
+    decoding one sequence, a step at a time, in turn with llama.cpp producing one token, on the same prompt,
+    so that both see the same moment of the machine. ms per token, medians over --output-len tokens."""
+    from tandem_engine.config import EngineConfig
+    from tandem_engine.core.engine_core import EngineCore
+    from tandem_engine.request import Request
+    from tandem_engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(a.threads)
+    ids = prompt_ids(a)
+    cores = {kv: EngineCore(EngineConfig(model=MODEL, dtype="float32", quantization="gguf", num_threads=a.threads,
+                                         max_num_seqs=4, kv_cache_dtype=kv, kv_cache_gib=0.5))
+             for kv in ("float32", "float16")}
+    try:
+        llm = llama(a, a.input_len + a.output_len + 16, logits_all=False)
+        for c in cores.values():
+            c.add_request(Request("a", ids, SamplingParams(max_tokens=a.output_len + 8, temperature=0,
+                                                           ignore_eos=True), [0]))
+            while not c.step():  # the prefill, to its first token
+                pass
+        llm.reset()
+        tokens = llm.generate(ids, top_k=1, temp=0.0, reset=True)
+        next(tokens)  # the prefill, to its first token
+        ms: dict[str, list[float]] = {"tandem gguf": [], "tandem gguf f16 KV": [], "llama.cpp": []}
+        for _ in range(a.output_len - 1):
+            for name, step in (("tandem gguf", cores["float32"].step), ("llama.cpp", lambda: next(tokens)),
+                               ("tandem gguf f16 KV", cores["float16"].step)):
+                t0 = time.perf_counter()
+                step()
+                ms[name].append(1000 * (time.perf_counter() - t0))
+    finally:
+        for c in cores.values():
+            c.shutdown()
+    out: dict[str, Any] = {n: {"ms_per_token": float(np.median(v)), "p99_ms": float(np.percentile(v, 99))}
+                           for n, v in ms.items()}
+    for n in ("tandem gguf", "tandem gguf f16 KV"):
+        out[n]["vs_llama_cpp"] = out["llama.cpp"]["ms_per_token"] / out[n]["ms_per_token"]
+    return out
+
+
 def kernel_rows(a: argparse.Namespace) -> dict[str, Any]:
     """ms per call of one layer's four projections and the head, kernel vs dequantize + matmul, by rows."""
     torch.set_num_threads(a.threads)
@@ -269,6 +310,8 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         res["quality"] = quality(a)
     if "speed" in a.parts:
         res["speed"] = await speed(a, work)
+    if "in_process" in a.parts:
+        res["in_process"] = in_process(a)
     if "kernel" in a.parts:
         res["kernel"] = kernel_rows(a)
     return res
@@ -299,6 +342,15 @@ def table(res: dict[str, Any]) -> str:
             vs = (f"{r['vs_llama_cpp']:.3f}x ({min(r['vs_llama_cpp_rounds']):.3f}-"
                   f"{max(r['vs_llama_cpp_rounds']):.3f})" if "vs_llama_cpp" in r else "")
             rows.append(f"| {n} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} | {vs} |")
+        rows.append("")
+    if "in_process" in res:
+        rows += ["In process, without HTTP: an EngineCore's decode step and llama.cpp's next token in turn, "
+                 f"{c['output_len'] - 1} tokens each after the same {c['input_len']}-token prompt (medians).", "",
+                 "| engine | ms per token | p99 ms | tok/s | vs llama.cpp |", "|---|---|---|---|---|"]
+        for n, r in res["in_process"].items():
+            vs = f"{r['vs_llama_cpp']:.3f}x" if "vs_llama_cpp" in r else ""
+            rows.append(f"| {n} | {r['ms_per_token']:.2f} | {r['p99_ms']:.2f} | {1000 / r['ms_per_token']:.1f} "
+                        f"| {vs} |")
         rows.append("")
     if "kernel" in res:
         names = list(next(iter(res["kernel"].values()))["kernel"])
