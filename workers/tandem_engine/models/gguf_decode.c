@@ -3,8 +3,9 @@
  * "One C call per decode step").
  *
  * For every layer and every row (one new token per sequence): q|k|v of the normed residual stream, RoPE,
- * K and V into the paged cache (float32, bfloat16 or float16, rounded as torch rounds), attention, o + residual, the post-attention norm, gate|up, SiLU * up,
- * down + residual and the next norm (the next layer's input norm, or the final norm after the last layer).
+ * K and V into the paged cache (float32, bfloat16 or float16, rounded as torch rounds), attention,
+ * o + residual, the post-attention norm, gate|up, SiLU * up, down + residual and the next norm (the next
+ * layer's input norm, or the final norm after the last layer).
  * The work itself is the other kernels' code, reached through function pointers (kernels_t): the int8
  * matmul of gguf_matmul.c (quantize x, then a range of output columns), the row kernels of kernels/fused.c
  * and the head-range attention of attention/paged_attention.c, each built with its own flags; so the step
