@@ -229,7 +229,7 @@ async def speed(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         tandem = name.removeprefix("tandem ")
         if tandem in TANDEM_RUNS:
             out[name] |= {"startup_s": startup[tandem], "failed": failed[tandem]}
-    for name in ("gguf", "gguf f16 KV"):
+    for name in (n for n, (mode, _) in TANDEM_RUNS.items() if mode == "gguf"):
         ratios = [t / ll for t, ll in zip(out[f"tandem {name}"]["rounds_decode_tok_s"],
                                           out["llama.cpp"]["rounds_decode_tok_s"], strict=True)]
         out[f"tandem {name}"]["vs_llama_cpp_rounds"] = ratios

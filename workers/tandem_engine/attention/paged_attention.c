@@ -190,21 +190,9 @@ static inline __attribute__((always_inline)) v16 ld16kv(const char *at, const in
 #endif
 }
 
-/* CALL with KT the constant cache type kt, so that the always-inline loops it reaches are built per type. */
-#define BY_KV_TYPE(kt, CALL)                      \
-    do {                                          \
-        if ((kt) == KV_F32) {                     \
-            const int KT = KV_F32; CALL;          \
-        } else if ((kt) == KV_F16) {              \
-            const int KT = KV_F16; CALL;          \
-        } else {                                  \
-            const int KT = KV_BF16; CALL;         \
-        }                                         \
-    } while (0)
-
 /* For nh query heads that read the same KV head: acc[k * acc_stride : + 64] += sum over the block's n tokens
- * of w[k * w_stride + o] * v[v0 + o * stride : + 64] (v of cache type kt), in token order, one fused multiply-add per token and
- * lane. All nh * 4 accumulators stay in registers over the block and each V row is loaded once for the nh
+ * of w[k * w_stride + o] * v[v0 + o * stride : + 64] (v of cache type kt), in token order, one fused
+ * multiply-add per token and lane. All nh * 4 accumulators stay in registers over the block and each V row is loaded once for the nh
  * heads, so the adds do not wait on one another. */
 static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64_t acc_stride, const float *w,
                                                               int64_t w_stride, const void *v, int64_t v0,
@@ -330,11 +318,9 @@ static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t 
                 float *s = sc + hi * klen + p0;
                 const float *qh = q + hi * d;
                 const int64_t kh = at + h * d;
-                BY_KV_TYPE(kt, {
-                    if (nh == 3) scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 3);
-                    else if (nh == 2) scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 2);
-                    else scores_heads64(s, klen, qh, d, j->kc, kh, KT, n, tok_stride, j->scale, &pf, per, 1);
-                });
+                if (nh == 3) scores_heads64(s, klen, qh, d, j->kc, kh, kt, n, tok_stride, j->scale, &pf, per, 3);
+                else if (nh == 2) scores_heads64(s, klen, qh, d, j->kc, kh, kt, n, tok_stride, j->scale, &pf, per, 2);
+                else scores_heads64(s, klen, qh, d, j->kc, kh, kt, n, tok_stride, j->scale, &pf, per, 1);
                 hi += nh;
             }
         pf_step(&pf, INT64_MAX);  /* what the loops did not request */
@@ -360,11 +346,9 @@ static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t 
                 const int nh = group_run(hi, h1, g);
                 for (int x = 0; x < d; x += 64) {
                     const int64_t vh = at + h * d + x;
-                    BY_KV_TYPE(kt, {
-                        if (nh == 3) axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 3);
-                        else if (nh == 2) axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 2);
-                        else axpy_heads64(a + x, d, w, klen, j->vc, vh, KT, n, tok_stride, &pf, per, 1);
-                    });
+                    if (nh == 3) axpy_heads64(a + x, d, w, klen, j->vc, vh, kt, n, tok_stride, &pf, per, 3);
+                    else if (nh == 2) axpy_heads64(a + x, d, w, klen, j->vc, vh, kt, n, tok_stride, &pf, per, 2);
+                    else axpy_heads64(a + x, d, w, klen, j->vc, vh, kt, n, tok_stride, &pf, per, 1);
                 }
                 hi += nh;
                 continue;
