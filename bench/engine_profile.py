@@ -32,11 +32,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                    help="the step's token budget (the server's default on a CPU is 512)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     core = EngineCore(EngineConfig(model=a.model, dtype=a.dtype, max_num_seqs=max(64, a.batch),
-                                   max_num_batched_tokens=4096, max_model_len=2048))
+                                   max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=2048))
     rng = random.Random(0)
     for i in range(a.batch):
         prompt = [rng.randrange(100, 40000) for _ in range(a.prompt_len)]

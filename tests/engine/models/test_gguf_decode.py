@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import platform
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
-from tandem_engine.models.gguf_decode import GGUFDecodeStep, fuse_decode_steps, load_decode_kernel
+from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
@@ -73,14 +73,11 @@ def caches_for(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> C
     return kv_caches(spec.num_layers, 64, BS, spec.num_kv_heads, spec.head_dim, dtype)
 
 
-@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the 2 cores CI has, some descheduled
-def test_fused_steps_give_the_op_by_op_logits_and_cache(
-        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
-    """Over a 16-bit cache too (--kv-cache-dtype): the step rounds K and V into it as torch's .to() does, and
-    reads it as the op-by-op kernel reads it."""
-    model, backend, _ = tiny
-    lens, steps = [1, 6, 13, 30, 45], 3  # contexts from one token to 12 blocks
+def decode_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int, kv: torch.dtype,
+                            same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """Prompts of one token to 12 blocks over scattered blocks, then three decode steps, each run fused and
+    op by op on a copy of the cache: `same` holds for their logits and for every cache."""
+    lens, steps = [1, 6, 13, 30, 45], 3
     pool = list(range(1, 64))
     random.Random(threads).shuffle(pool)
     tables = [[pool.pop() for _ in range(-(-(n + steps) // BS))] for n in lens]
@@ -99,15 +96,61 @@ def test_fused_steps_give_the_op_by_op_logits_and_cache(
             got = model.compute_logits(model(ids, positions, fused, meta, backend))
             with op_by_op(model):
                 want = model.compute_logits(model(ids, positions, ref, meta, backend))
-            assert torch.equal(got, want), float((got - want).abs().max())
-            assert all(torch.equal(a, b) for kv, kv_ref in zip(fused, ref, strict=True)
-                       for a, b in zip(kv, kv_ref, strict=True))
+            same(got, want)
+            for kv_got, kv_ref in zip(fused, ref, strict=True):
+                for a, b in zip(kv_got, kv_ref, strict=True):
+                    same(a, b)
+
+
+def bit_for_bit(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the 2 cores CI has, some descheduled
+def test_fused_steps_give_the_op_by_op_logits_and_cache(
+        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+    """Over a 16-bit cache too (--kv-cache-dtype): the step rounds K and V into it as torch's .to() does, and
+    reads it as the op-by-op kernel reads it."""
+    model, backend, _ = tiny
+    decode_against_op_by_op(model, backend, threads, kv, bit_for_bit)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, TorchAttentionBackend, Path]:
+    """The tiny model in float32 without --quantization, every C kernel on, decode steps fused."""
+    tmp = tmp_path_factory.mktemp("dense")
+    path = write_tiny_gguf(tmp / "tiny.gguf", tiny_weights())
+    model = load_model(resolve_model(str(path), tmp), torch.float32).model
+    model.use_fused_ops(load_fused_ops(tmp))
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
+    return model, backend, tmp
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
+        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+    """The fused dense step runs its projections on the panel kernel, op by op runs oneDNN or MKL: the same
+    sums in another order, so the same values to a few float32 roundings (a 16-bit cache may round a value
+    the other way: one unit of its last place)."""
+    model, backend, _ = dense
+    step = model.decode_step
+    assert isinstance(step, FusedDecodeStep) and step.kind == "float32 panel matmuls"
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:  # at most one unit in the last place of the cache's type, anywhere
+            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-30).all()
+    decode_against_op_by_op(model, backend, threads, kv, close)
 
 
 def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
     model, backend, tmp = tiny
     step, caches = model.decode_step, caches_for(model)
-    assert isinstance(step, GGUFDecodeStep) and step.row_limit == DENSE_FROM_ROWS == 24
+    assert isinstance(step, FusedDecodeStep) and step.row_limit == DENSE_FROM_ROWS == 24
 
     def decode(rows: int) -> Any:
         return make_meta([1] * rows, [5] * rows, [[1, 2]] * rows, BS)
@@ -129,9 +172,14 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
             "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)")
     finally:
         model.ops = ops
-    dense = LlamaForCausalLM(model.config)
-    assert fuse_decode_steps(dense, backend, torch.float32, tmp) == "--quantization none, not gguf"
-    assert model.decode_step is step and dense.decode_step is None
+    half = LlamaForCausalLM(model.config, torch.bfloat16)
+    half.use_fused_ops(model.ops)
+    assert fuse_decode_steps(half, backend, torch.float32, tmp) == (
+        "a bfloat16 model (fused without --quantization: float32)")
+    half.quantization = "int8"
+    assert fuse_decode_steps(half, backend, torch.float32, tmp) == (
+        "--quantization int8 (fused: gguf, or none in float32)")
+    assert model.decode_step is step and half.decode_step is None
 
 
 def edge_values() -> torch.Tensor:
@@ -177,13 +225,13 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
                                        num_kv_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False, **kw))
 
     fused_calls = []
-    real_call = GGUFDecodeStep.__call__
+    real_call = FusedDecodeStep.__call__
 
-    def counted(self: GGUFDecodeStep, *args: Any) -> torch.Tensor:
+    def counted(self: FusedDecodeStep, *args: Any) -> torch.Tensor:
         fused_calls.append(args[0].shape[0])
         return real_call(self, *args)
 
-    monkeypatch.setattr(GGUFDecodeStep, "__call__", counted)
+    monkeypatch.setattr(FusedDecodeStep, "__call__", counted)
     prompts = [[5, 6, 7], list(range(10, 40)), [200] * 9, list(range(50, 63))]
     with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
         core = engine()

@@ -17,6 +17,7 @@ import torch
 
 from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.kernels.fused import load_fused_ops
+from tandem_engine.models.gguf_decode import fuse_decode_steps
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 from tests.engine.utils import hf_greedy, kv_caches, make_meta, paged_greedy, tiny_config
@@ -82,13 +83,20 @@ def test_prompt_logits_match_transformers(name: str) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["torch-ops", "fused-kernels"])
+@pytest.mark.parametrize("fused", ["none", "kernels", "step"], ids=["torch-ops", "fused-kernels", "fused-step"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_decode_matches_transformers(name: str, fused: bool, kernel_cache: Path) -> None:
+def test_greedy_decode_matches_transformers(name: str, fused: str, kernel_cache: Path) -> None:
+    """fused-step: decode steps in one C call on the float32 panel kernel (models/gguf_decode.py), where the
+    family allows it (not Qwen2's biases or Qwen3's per-head q/k norms)."""
     hf, ours = build_pair(name)
-    if fused:
+    if fused != "none":
         ours.use_fused_ops(load_fused_ops(kernel_cache))
         assert ours.ops.native or shutil.which(os.environ.get("CC", "cc")) is None
+    if fused == "step" and ours.ops.native:
+        backend = TorchAttentionBackend(use_kernel=True, cache_dir=kernel_cache)
+        why = fuse_decode_steps(ours, backend, torch.float32, kernel_cache)
+        assert why == {"qwen2": "a qkv projection with a bias",
+                       "qwen3": "q and k are RMS-normalised per head (Qwen3)"}.get(name)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (11, 3, 7)]
     max_new = 10

@@ -64,6 +64,7 @@ typedef struct {
     const float *first_norm;         /* [hidden] layer 0's input norm */
     const float *rope_cos, *rope_sin; /* [max_positions, D]: (cos, cos) and (-sin, sin) */
     float eps, scale;
+    int64_t col_align; /* projection runs start on multiples of this many columns (the matmul's group) */
 } model_t;
 
 typedef struct {
@@ -231,10 +232,10 @@ static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void
 }
 
 /* Output columns of projection p handed out in runs (take), for the m rows quantized in xq, into y. */
-static void project_runs(const kernels_t *k, const proj_t *p, const void *xq, int64_t m, int64_t kdim, float *y,
+static void project_runs(const model_t *md, const proj_t *p, const void *xq, int64_t m, int64_t kdim, float *y,
                          barrier_t *bar, int nt) {
-    const int64_t n = p->cols, chunk = run_length(n, nt, 4);
-    for (int64_t c; (c = take(bar, n, chunk)) < n;) project(k, p, xq, m, kdim, c, c + chunk < n ? c + chunk : n, y);
+    const int64_t n = p->cols, chunk = run_length(n, nt, md->col_align);
+    for (int64_t c; (c = take(bar, n, chunk)) < n;) project(&md->k, p, xq, m, kdim, c, c + chunk < n ? c + chunk : n, y);
 }
 
 /* Thread t's (row, query head) items: a contiguous run of them, cut by cost (the row's keys + ITEM_KEYS),
@@ -273,11 +274,11 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
         barrier_wait(bar, nt);
         k->quantize(s->attn, nqd, m, nqd, share(m * nqd / QK, t, nt), share(m * nqd / QK, t + 1, nt), s->xq);
         barrier_wait(bar, nt);
-        project_runs(k, &L->o, s->xq, m, nqd, s->o, bar, nt);
+        project_runs(md, &L->o, s->xq, m, nqd, s->o, bar, nt);
         barrier_wait(bar, nt);
         norm_rows(md, s, s->o, L->post_attn_norm, s->xq, t, nt);
         barrier_wait(bar, nt);
-        project_runs(k, &L->gate_up, s->xq, m, hd, s->gu, bar, nt);
+        project_runs(md, &L->gate_up, s->xq, m, hd, s->gu, bar, nt);
         barrier_wait(bar, nt);
         /* SiLU * up 32 columns at a time, each run quantized as soon as it is made */
         const int64_t nb = inter / QK;
@@ -288,7 +289,7 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
             k->quantize(s->act, inter, m, inter, i, i + 1, s->xq);
         }
         barrier_wait(bar, nt);
-        project_runs(k, &L->down, s->xq, m, inter, s->down, bar, nt);
+        project_runs(md, &L->down, s->xq, m, inter, s->down, bar, nt);
         barrier_wait(bar, nt);
         const int last = l == md->n_layers - 1;
         norm_rows(md, s, s->down, L->next_norm, last ? NULL : s->xq, t, nt);

@@ -17,6 +17,8 @@ place.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,7 +27,8 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
-from tandem_engine.models.gguf_linear import GGUFKernel, GGUFLinear
+from tandem_engine.models.dense_matmul import PANEL, DenseKernel, load_dense_kernel
+from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 _SRC = (Path(__file__).parent / "gguf_decode.c").read_text()
@@ -56,7 +59,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("k", _Kernels), ("layers", ctypes.POINTER(_Layer)),
                 *((name, i64) for name in ("n_layers", "hidden", "inter", "nq", "nkv", "d")),
                 ("first_norm", p_), ("rope_cos", p_), ("rope_sin", p_), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("col_align", i64)]
 
 
 class _Step(ctypes.Structure):
@@ -70,12 +73,55 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _KV_NAMES = ", ".join(str(t).removeprefix("torch.") for t in KERNEL_KV_TYPES)  # the cache types the step takes
 
 
-class GGUFDecodeStep:
-    """A decode step of `model` in one call: x [T, hidden] (the embedded tokens, one per sequence) through
-    every layer and the final norm. `row_entries`, `heads_kernel`: the fused row kernels' and the attention
-    kernel's entry points (FusedOps.row_entries, TorchAttentionBackend.heads_kernel)."""
+@dataclass(frozen=True)
+class StepMatmuls:
+    """What a fused step's projections run on: the int8 GGUF kernel (gguf_matmul.c) or the float32 panel
+    kernel (dense_matmul.c), each as a pair of entry points, `quantize` (x into the kernel's buffer) and
+    `matmul_cols` (a range of output columns from it)."""
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, kernel: GGUFKernel, row_entries: dict[str, int],
+    kind: str  # what the startup log names
+    entries: dict[str, int]
+    x_bytes: Callable[[int, int], int]  # (rows, k) -> bytes of the kernel's buffer
+    col_align: int  # runs of output columns start on multiples of this
+    row_limit: int  # steps of this many rows or more run op by op
+    # per layer, per projection (gguf_decode.c's layer_t order): its parts (tensor, rows, qtype) and columns
+    layers: list[dict[str, tuple[list[tuple[torch.Tensor, int, int]], int]]]
+
+
+def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
+    """The step's matmuls over the GGUF blocks of `model`'s projections (checked by `_unfit`)."""
+    linears = [{name: cast(GGUFLinear, cast(DecoderLayer, layer).quantized[name]) for name in _PROJECTIONS}
+               for layer in model.layers]
+    kernel = linears[0]["qkv"].kernel
+    return StepMatmuls(
+        "int8 GGUF matmuls", {**kernel.entries}, kernel.xq8_bytes, 4,
+        # From this many rows on the op-by-op path dequantizes instead of running the int8 kernel.
+        min(p.dense_from_rows for lin in linears for p in lin.values()),
+        [{name: ([(p.data, p.rows, p.qtype) for p in lin.parts], lin.out_features) for name, lin in layer.items()}
+         for layer in linears])
+
+
+def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
+    """The step's matmuls over float32 panel copies of `model`'s projections (made here, once: use_panels)."""
+    layers = [cast(DecoderLayer, layer) for layer in model.layers]
+    for layer in layers:
+        layer.use_panels(kernel)
+    return StepMatmuls("float32 panel matmuls", kernel.entries, kernel.x_bytes, PANEL, DENSE_ROW_LIMIT,
+                       [{name: ([(p.panels, p.out_features, 0)], p.out_features) for name, p in layer.panels.items()}
+                        for layer in layers])
+
+
+# Dense steps of any size run fused (the panel kernel is ahead of oneDNN from one row to hundreds).
+DENSE_ROW_LIMIT = 1 << 20
+
+
+class FusedDecodeStep:
+    """A decode step of `model` in one call: x [T, hidden] (the embedded tokens, one per sequence) through
+    every layer and the final norm, the projections on `matmuls`. `row_entries`, `heads_kernel`: the fused
+    row kernels' and the attention kernel's entry points (FusedOps.row_entries,
+    TorchAttentionBackend.heads_kernel)."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, matmuls: StepMatmuls, row_entries: dict[str, int],
                  heads_kernel: int) -> None:
         self._fn = lib.tandem_gguf_decode
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
@@ -84,35 +130,42 @@ class GGUFDecodeStep:
         first = layers[0]
         self.nq, self.nkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden, self.inter = model.hidden_size, first.inter
-        linears = [{name: cast(GGUFLinear, layer.quantized[name]) for name in _PROJECTIONS} for layer in layers]
-        # From this many rows on the op-by-op path dequantizes instead of running the int8 kernel.
-        self.row_limit = min(p.dense_from_rows for lin in linears for p in lin.values())
+        self.kind, self.row_limit, self._x_bytes = matmuls.kind, matmuls.row_limit, matmuls.x_bytes
         self._keep: list[Any] = []  # what the C structures point into
         next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
         table = (_Layer * len(layers))(*(
-            _Layer(*(self._proj(lin[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
+            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
                    norm.data_ptr())
-            for layer, lin, norm in zip(layers, linears, next_norms, strict=True)))
-        entries = {**kernel.entries, **row_entries, "attention_heads": heads_kernel}
+            for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
+        entries = {**matmuls.entries, **row_entries, "attention_heads": heads_kernel}
         self._model = _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv,
                              self.d, first.input_norm.data_ptr(), model.rope_cos.data_ptr(),
-                             model.rope_sin.data_ptr(), first.eps, first.scale)
+                             model.rope_sin.data_ptr(), first.eps, first.scale, matmuls.col_align)
         self._keep.append(table)
         self.max_positions = model.rope_cos.shape[0]
-        rows = self.row_limit - 1
-        widths = {"qkv": (self.nq + 2 * self.nkv) * self.d, "attn": self.nq * self.d, "o": self.hidden,
-                  "gu": 2 * self.inter, "act": self.inter, "down": self.hidden}
-        self._work = {name: torch.empty(rows * w) for name, w in widths.items()}
-        # zeroed once: the tail the matmul reads past the last rows is never written
-        self._xq = torch.zeros(kernel.xq8_bytes(rows, max(widths["attn"], self.hidden, self.inter)),
-                               dtype=torch.uint8)
+        self._widths = {"qkv": (self.nq + 2 * self.nkv) * self.d, "attn": self.nq * self.d, "o": self.hidden,
+                        "gu": 2 * self.inter, "act": self.inter, "down": self.hidden}
+        self._rows = 0
+        self._work: dict[str, torch.Tensor] = {}
+        self._xq = torch.empty(0, dtype=torch.uint8)
+        self._reserve(min(self.row_limit - 1, 32))
         self._scratch = torch.empty(0)
         self._kv: tuple[KVCaches, ctypes.Array[ctypes.c_void_p]] | None = None
 
-    def _proj(self, linear: GGUFLinear) -> _Proj:
-        parts = (_Part * len(linear.parts))(*(_Part(p.data.data_ptr(), p.rows, p.qtype) for p in linear.parts))
-        self._keep.append(parts)
-        return _Proj(parts, len(linear.parts), linear.out_features)
+    def _reserve(self, rows: int) -> None:
+        """Work buffers for steps of up to `rows` rows."""
+        if rows <= self._rows:
+            return
+        self._rows = rows
+        self._work = {name: torch.empty(rows * w) for name, w in self._widths.items()}
+        # zeroed: the tail the int8 matmul reads past the last rows is never written
+        k = max(self._widths["attn"], self.hidden, self.inter)
+        self._xq = torch.zeros(self._x_bytes(rows, k), dtype=torch.uint8)
+
+    def _proj(self, parts: list[tuple[torch.Tensor, int, int]], cols: int) -> _Proj:
+        table = (_Part * len(parts))(*(_Part(data.data_ptr(), rows, qtype) for data, rows, qtype in parts))
+        self._keep.append((table, [data for data, _, _ in parts]))
+        return _Proj(table, len(parts), cols)
 
     def refusal(self, meta: AttentionMetadata, kv_caches: KVCaches) -> str | None:
         """Why this step runs op by op, or None: it runs fused."""
@@ -142,6 +195,7 @@ class GGUFDecodeStep:
         """x [T, hidden] float32 contiguous, updated in place (the residual stream) -> [T, hidden] through the
         final norm. `refusal(meta, kv_caches)` must be None."""
         m = x.shape[0]
+        self._reserve(m)
         h = torch.empty_like(x)
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -166,8 +220,10 @@ class GGUFDecodeStep:
 
 def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the fused step at all, or None."""
-    if model.quantization != "gguf":
-        return f"--quantization {model.quantization}, not gguf"
+    if model.quantization not in ("gguf", "none"):
+        return f"--quantization {model.quantization} (fused: gguf, or none in float32)"
+    if model.quantization == "none" and model.dtype != torch.float32:
+        return f"a {str(model.dtype).removeprefix('torch.')} model (fused without --quantization: float32)"
     if kv_dtype not in KERNEL_KV_TYPES:
         return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: {_KV_NAMES})"
     if model.ops.row_entries is None:
@@ -177,12 +233,18 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     if any(layer.qk_norm for layer in layers):
         return "q and k are RMS-normalised per head (Qwen3)"
+    first = layers[0]
+    if any(n % 32 for n in (model.hidden_size, first.inter, first.q_size)):
+        return "a projection input not a multiple of 32"
     for layer in layers:
-        for name in _PROJECTIONS:
-            linear = layer.quantized.get(name)
-            if not isinstance(linear, GGUFLinear) or not linear.int8_activations:
-                return f"a {name} projection not on the int8 GGUF kernel"
-            if linear.bias is not None:
+        for name, (_, dense_bias) in layer.projections().items():
+            bias: torch.Tensor | None = dense_bias
+            if model.quantization == "gguf":
+                linear = layer.quantized.get(name)
+                if not isinstance(linear, GGUFLinear) or not linear.int8_activations:
+                    return f"a {name} projection not on the int8 GGUF kernel"
+                bias = linear.bias
+            if bias is not None:
                 return f"a {name} projection with a bias"
     return None
 
@@ -197,16 +259,21 @@ def load_decode_kernel(cache_dir: Path) -> ctypes.CDLL | None:
 def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype,
                       cache_dir: Path) -> str | None:
     """From now on run `model`'s decode steps fused where they qualify (`model.decode_step`), with the
-    kernel built under `cache_dir`; or say why they cannot be (and leave the model as it was)."""
+    kernels built under `cache_dir`; or say why they cannot be (and leave the model as it was)."""
     reason = _unfit(model, backend, kv_dtype)
     if reason is not None:
         return reason
     lib = load_decode_kernel(cache_dir)
     if lib is None:
         return "its C kernel did not build"
-    layer = cast(DecoderLayer, model.layers[0])
-    kernel = cast(GGUFLinear, layer.quantized["qkv"]).kernel
+    if model.quantization == "gguf":
+        matmuls = gguf_matmuls(model)
+    else:
+        dense = load_dense_kernel(cache_dir)
+        if dense is None:
+            return "the float32 panel kernel did not build"
+        matmuls = dense_matmuls(model, dense)
     row_entries, heads_kernel = model.ops.row_entries, cast(TorchAttentionBackend, backend).heads_kernel
     assert row_entries is not None and heads_kernel is not None
-    model.decode_step = GGUFDecodeStep(lib, model, kernel, row_entries, heads_kernel)
+    model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, heads_kernel)
     return None

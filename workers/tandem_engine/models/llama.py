@@ -24,7 +24,8 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
-from tandem_engine.models.packed_linear import linear, packing_supported
+from tandem_engine.models.dense_matmul import DenseKernel, PanelLinear
+from tandem_engine.models.packed_linear import MIN_PACKED_ROWS, linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class DecodeStep(Protocol):
     every layer and the final norm, as the layer loop computes it."""
 
     row_limit: int  # steps of this many rows or more run op by op
+    kind: str  # what its projections run on
 
     def refusal(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
         """Why this step must run op by op, or None."""
@@ -139,6 +141,9 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor | None] = {}
         # Quantized projections replacing the dense ones (`--quantization`), by projection name.
         self.quantized: dict[str, QuantizedLinear] = {}
+        # float32 panel copies of the projections (models/dense_matmul.py), made for fused decode steps; they
+        # also take the op-by-op matmuls of a few rows (`use_panels`).
+        self.panels: dict[str, PanelLinear] = {}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
         """(weight [out, in], bias) of each projection, by name."""
@@ -161,10 +166,26 @@ class DecoderLayer(nn.Module):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.packed.pop(name, None)
 
+    def use_panels(self, kernel: DenseKernel) -> None:
+        """Make the panel copies of the dense projections. Matmuls of fewer rows than oneDNN's packed copy
+        takes then run on them (faster than F.linear there), so a projection that has both frees its plain
+        weight (its shape becomes [0])."""
+        for name, (weight, _) in self.projections().items():
+            if name in self.quantized:
+                continue
+            self.panels[name] = PanelLinear(weight, kernel)
+            if self.packed.get(name) is not None:
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
     def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] through projection `name` -> [T, out]: quantized if it is, else dense."""
         q = self.quantized.get(name)
-        return q(x) if q is not None else linear(x, weight, bias, self.packed.get(name))
+        if q is not None:
+            return q(x)
+        panels = self.panels.get(name)
+        if panels is not None and (x.shape[0] < MIN_PACKED_ROWS or self.packed.get(name) is None):
+            return panels(x, bias)
+        return linear(x, weight, bias, self.packed.get(name))
 
     def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """Where checkpoint tensor `name` (relative to the layer) goes: (param, row start, row end)."""

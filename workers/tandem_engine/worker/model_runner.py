@@ -19,7 +19,7 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.scheduler import SampledToken, SchedulerOutput
 from tandem_engine.kernels.fused import load_fused_ops
 from tandem_engine.kv_transfer.interface import KVConnectorWorker
-from tandem_engine.models.gguf_decode import fuse_decode_steps
+from tandem_engine.models.gguf_decode import DENSE_ROW_LIMIT, fuse_decode_steps
 from tandem_engine.models.loader import LoadedModel, pick_dtype
 from tandem_engine.worker.sampler import Sampler
 
@@ -67,9 +67,10 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path)
-        if self.model.decode_step is not None:
-            logger.info("[startup] decode steps fused: one C call per step of only decode rows, fewer than %d "
-                        "(models/gguf_decode.py); other steps op by op", self.model.decode_step.row_limit)
+        if (step := self.model.decode_step) is not None:
+            rows = f"fewer than {step.row_limit}" if step.row_limit < DENSE_ROW_LIMIT else "any number"
+            logger.info("[startup] decode steps fused: one C call per step of only decode rows, %s, on %s "
+                        "(models/gguf_decode.py); other steps op by op", rows, step.kind)
         else:
             logger.info("[startup] decode steps op by op: %s", why)
         self.num_blocks = self._num_blocks()
