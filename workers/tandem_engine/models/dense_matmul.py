@@ -25,10 +25,12 @@ PANEL = 16  # output columns of a panel (dense_matmul.c's NR)
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """A [n, k] float32 weight (any strides) as [ceil(n / PANEL), k, PANEL] contiguous, zeros past row n."""
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    out = torch.zeros(panels * PANEL, k, dtype=torch.float32)
-    out[:n] = weight
-    return out.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    whole, rest = divmod(n, PANEL)
+    out = torch.zeros(whole + (rest > 0), k, PANEL, dtype=torch.float32)  # no copy of the weight on the way
+    out[:whole].copy_(weight[: whole * PANEL].unflatten(0, (whole, PANEL)).transpose(1, 2))
+    if rest:
+        out[whole, :, :rest].copy_(weight[whole * PANEL :].t())
+    return out
 
 
 class DenseKernel:

@@ -103,9 +103,8 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
 
 def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
     """The step's matmuls over float32 panel copies of `model`'s projections (made here, once: use_panels)."""
+    model.use_panels(kernel)
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    for layer in layers:
-        layer.use_panels(kernel)
     return StepMatmuls("float32 panel matmuls", kernel.entries, kernel.x_bytes, PANEL, DENSE_ROW_LIMIT,
                        [{name: ([(p.panels, p.out_features, 0)], p.out_features) for name, p in layer.panels.items()}
                         for layer in layers])

@@ -283,6 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = _param((cfg.hidden_size,), dtype)
         self.packed_lm_head: torch.Tensor | None = None
+        self.panel_head: PanelLinear | None = None  # the head on the panel kernel (`use_panels`)
         self.ops = TORCH_OPS  # norms and activation: torch's ops until `use_fused_ops` (kernels/fused.py)
         self.quantization = "none"  # what `--quantization` made of the projections
         # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
@@ -334,10 +335,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         if self.quantized_head is not None:
             return self.quantized_head(hidden)
+        if self.panel_head is not None:
+            return self.panel_head(hidden)
         # Tied: from 4 rows on the [vocab, hidden] embedding is as fast or faster; 1-2 rows run ~1.5x faster
         # against the transposed copy.
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
         return linear(hidden, w, None, self.packed_lm_head).float()
+
+    def use_panels(self, kernel: DenseKernel) -> None:
+        """Run the dense projections' matmuls of few rows, and the head's of any, on float32 panel copies
+        (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
+        was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
+        are freed (their shape becomes [0])."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).use_panels(kernel)
+        if self.quantized_head is None and self.dtype == torch.float32:
+            tied = self.tie_word_embeddings and self.embed_tokens.numel() > 0
+            self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel)
+            self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
+            self.packed_lm_head = None
 
     def use_fused_ops(self, ops: FusedOps) -> None:
         """Run the residual adds, norms and activation through `ops` (the C kernels where they apply)."""
