@@ -1,5 +1,6 @@
-"""Where one batched decode step's time goes, by component, with the fused CPU kernels off and on, next to
-the float32 ceiling measured in the same run.
+"""Where one batched decode step's time goes, by component, run op by op with torch's norms and activation
+(`torch`) and with the fused CPU kernels (`fused`), and as one C call (`one_call`: models/gguf_decode.py on
+the float32 panel matmuls), next to the float32 ceiling measured in the same run.
 
     .venv/bin/python bench/profile_step.py [--batch 32 --context 256 --steps 8]
 
@@ -7,8 +8,12 @@ An EngineCore runs in-process (the real model, float32; no HTTP, no ZMQ): `--bat
 `--context`-token prompts are prefilled, then `--steps` decode steps are timed for each variant, the two
 variants alternating step by step so that both see the same load and about the same context. Explicit
 timers around the model's projections, attention, KV writes, norms (with their residual adds), activation,
-RoPE, LM head and sampler split each step; what is left of the model's forward is the Python around the
-layers, and what is left of the step the runner's and scheduler's Python. The ceiling is the step's
+RoPE, LM head and sampler split each op-by-op step; what is left of the model's forward is the Python around
+the layers, and what is left of the step the runner's and scheduler's Python. Inside the one C call the step
+times its own phases (FusedDecodeStep.phase_ns, as its first thread sees them, waits at barriers included):
+q|k|v with RoPE and the cache writes and o, gate|up and down are `projections` (so `rope` and `kv_write` read
+0 there), the attention and the copy of its output `attention`, the norms `norm_residual`, SiLU * up
+`activation`. The ceiling is the step's
 projection FLOPs at the matmul rate `bench/roofline.py` measures for M = batch (its best layout, one
 layer's weights re-read from cache); the memory floor is the bytes a step must stream (every weight
 once, every sequence's K and V) at the rate a large tensor is summed. The attention kernel's KV read
@@ -22,11 +27,12 @@ import argparse
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from harness import MODEL, bench_main, describe
@@ -36,6 +42,8 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import llama
+from tandem_engine.models.dense_matmul import load_dense_kernel
+from tandem_engine.models.gguf_decode import PHASES, FusedDecodeStep
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
@@ -82,6 +90,15 @@ def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) 
         return out
 
     backend.forward = attention  # type: ignore[method-assign]
+    one_call = FusedDecodeStep.__call__
+
+    def fused_step(step: FusedDecodeStep, x: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+                   meta: Any) -> torch.Tensor:
+        if timers.variant is not None:  # every layer's attention reads every row's K and V
+            timers.kv_bytes[timers.variant] += per_token * sum(meta.seq_lens_cpu) * len(kv_caches)
+        return one_call(step, x, positions, kv_caches, meta)
+
+    FusedDecodeStep.__call__ = fused_step  # type: ignore[method-assign]
     backend.write_kv = timers.wrap("kv_write", backend.write_kv)  # type: ignore[method-assign]
     for ops in {id(o): o for o in variants.values()}.values():
         ops.add_rms_norm = timers.wrap("norm_residual", ops.add_rms_norm)  # type: ignore[method-assign]
@@ -92,8 +109,19 @@ def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) 
     runner.sampler = timers.wrap("sampling", runner.sampler)  # type: ignore[assignment]
 
 
+# The one C call's phases (gguf_decode.PHASES) charged to the components of the table.
+PHASE_COMPONENTS = {"qkv_rope_kv_write": "projections", "o": "projections", "gate_up": "projections",
+                    "down": "projections", "attention": "attention", "attention_out": "attention",
+                    "norm_residual": "norm_residual", "activation": "activation"}
+
+
+class Variant(NamedTuple):
+    ops: FusedOps
+    step: FusedDecodeStep | None  # the model's fused decode step, or None: op by op
+
+
 def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
-                 variants: dict[str, FusedOps]) -> dict[str, list[float]]:
+                 variants: dict[str, Variant]) -> dict[str, list[float]]:
     """Prefill the batch, then time `a.steps` decode steps per variant, alternating; seconds per step."""
     rng = random.Random(0)
     # Requests whose prefill ends early decode while later ones prefill (one token per step, at most
@@ -111,12 +139,17 @@ def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(len(variants) * a.steps):
         name = list(variants)[i % len(variants)]
-        core.runner.model.use_fused_ops(variants[name])
+        core.runner.model.use_fused_ops(variants[name].ops)
+        step = core.runner.model.decode_step = variants[name].step
+        before = None if step is None else step.phase_ns.clone()
         timers.variant = name
         t0 = time.perf_counter()
         outs = core.step()
         times[name].append(time.perf_counter() - t0)
         timers.variant = None
+        if step is not None and before is not None:
+            for phase, ns in zip(PHASES, (step.phase_ns - before).tolist(), strict=True):
+                timers.seconds[name][PHASE_COMPONENTS[phase]] += ns / 1e9
         if sum(len(o.new_token_ids) for o in outs) != a.batch:
             raise RuntimeError("a timed step did not decode the whole batch (requests ended or were preempted: "
                                "raise --kv-cache-gib)")
@@ -184,19 +217,26 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     core = EngineCore(EngineConfig(model=a.model, dtype="float32", kv_cache_gib=a.kv_cache_gib,
                                    max_model_len=a.context + 64, max_num_seqs=max(64, a.batch),
                                    max_num_batched_tokens=4096))
-    fused = core.runner.model.ops
-    variants = {"torch": TORCH_OPS, "fused": fused}
+    model = core.runner.model
+    fused, step = model.ops, model.decode_step
+    variants = {"torch": Variant(TORCH_OPS, None), "fused": Variant(fused, None)}
+    if isinstance(step, FusedDecodeStep):
+        step.phase_ns = torch.zeros(len(PHASES), dtype=torch.int64)
+        variants["one_call"] = Variant(fused, step)
     timers = Timers()
-    instrument(core, timers, variants)
+    instrument(core, timers, {name: v.ops for name, v in variants.items()})
     times = decode_steps(core, a, timers, variants)
     res: dict[str, Any] = {"threads": torch.get_num_threads(), "fused_kernels_built": fused.native,
+                           "one_call": None if step is None else step.kind,
                            "variants": {name: breakdown(timers, name, ts) for name, ts in times.items()}}
     kv_bytes = res["variants"]["fused"]["kv_bytes_per_step"]
     res["kv_copy_gb_s"] = copy_rate(core, kv_bytes)
     core.shutdown()
     cfg, _, _ = load_config_and_tokenizer(resolve_model(a.model))
     gflop = a.batch * flops_per_token(cfg)[1] / 1e9
-    best = max(rate(cfg, a.batch, torch.float32, head=True), rate(cfg, a.batch, torch.float32, True, True))
+    panels = load_dense_kernel(Path(tempfile.gettempdir()) / "tandem-roofline")
+    best = max(rate(cfg, a.batch, torch.float32, head=True), rate(cfg, a.batch, torch.float32, True, True),
+               rate(cfg, a.batch, torch.float32, True, panels=panels) if panels else 0.0)
     # Every float32 projection weight and the LM head are read once per step (the roofline's rates
     # re-read one layer from cache), and the attention reads every sequence's K and V.
     layer, head, n_layers = shapes(cfg)

@@ -5,7 +5,9 @@ workload's FLOPs, and the fastest any engine could serve it here.
 
 Every engine computes the same projections for the same tokens (prompt tokens skip the LM head). The
 floor is: prompt tokens at the measured large-M rate, plus one decode step per output token at the
-measured rate for M = batch. Attention, norms and sampling are left out, so the ceiling is generous.
+measured rate for M = batch, each the best of torch's matmuls (plain and oneDNN-packed) and tandem's own
+float32 panel kernel (models/dense_matmul.py), which is faster at decode shapes: the ceiling is what the
+fastest matmul known here allows. Attention, norms and sampling are left out, so the ceiling is generous.
 `bench/serving.py` runs this first and reports both engines against the ceiling in the same run.
 """
 
@@ -14,13 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem_engine.models import packed_linear
+from tandem_engine.models.dense_matmul import DenseKernel, load_dense_kernel, pack_panels
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
 MODEL = "smollm2-135m-instruct"
@@ -56,16 +61,23 @@ def _time(fn: Any, min_s: float = 0.4) -> float:
     return statistics.median(ts)
 
 
-def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool, packed: bool = False) -> float:
+def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool, packed: bool = False,
+         panels: DenseKernel | None = None) -> float:
     """GFLOP/s of one layer's projections (and the LM head) for m tokens: weights as `nn.Linear` holds them,
-    or (`packed`) reordered once into oneDNN's blocked layout, as tandem's model runner does."""
+    or (`packed`) reordered once into oneDNN's blocked layout, as tandem's model runner does for prefill, or
+    (`panels`) in tandem's own float32 panels on that kernel, as its fused decode steps run them."""
     layer, lm, _ = shapes(cfg)
     mats = [(o, k) for o, k in layer] + ([lm] if head else [])
     ws = [torch.randn(o, k, dtype=dtype) for o, k in mats]
     ps = [packed_linear.pack(w) if packed else None for w in ws]
+    pn = [pack_panels(w) for w in ws] if panels else []
     xs = {k: torch.randn(m, k, dtype=dtype) for _, k in mats}
 
     def run() -> None:
+        if panels:
+            for w, p in zip(ws, pn, strict=True):
+                panels.matmul(xs[w.shape[1]], p, w.shape[0])
+            return
         for w, p in zip(ws, ps, strict=True):
             packed_linear.linear(xs[w.shape[1]], w, None, p)
 
@@ -115,6 +127,11 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 20
             pb = res["gflops"][f"{name} oneDNN-packed M={prefill_chunk}"] = rate(cfg, prefill_chunk, dt, False, True)
             ps = res["gflops"][f"{name} oneDNN-packed M={batch}"] = rate(cfg, batch, dt, True, True)
             big, small = max(big, pb), max(small, ps)
+        kernel = load_dense_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None
+        if kernel is not None:
+            for m in (prefill_chunk, batch):
+                r = res["gflops"][f"{name} tandem panels M={m}"] = rate(cfg, m, dt, m == batch, panels=kernel)
+                big, small = (max(big, r), small) if m == prefill_chunk else (big, max(small, r))
         floor_s = prompt_tokens * prompt_f / (big * 1e9) + out_tokens * decode_f / (small * 1e9)
         res["ceiling_output_tok_s"][f"{name}, {EACH_SHAPE}"] = out_tokens / floor_s
         peak = max(v for k, v in res["gflops"].items() if k.startswith(name))

@@ -22,6 +22,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -83,7 +84,14 @@ typedef struct {
     void *xq;                                  /* the quantized x of m rows of the widest input (zeroed) */
     float *scratch;                            /* attention: scratch_per_thread floats per thread */
     int64_t scratch_per_thread;
+    int64_t *phase_ns;                         /* NULL, or [N_PHASES] nanoseconds to add each phase's wall
+                                                  time to (as thread 0 sees it, its wait at the barrier
+                                                  included): bench/profile_step.py */
 } step_t;
+
+/* The phases of a layer, as step_t.phase_ns counts them: q|k|v with RoPE and the cache writes, attention,
+ * the copy or quantization of its output, o, the norms (with their residual adds), gate|up, SiLU * up, down. */
+enum { PH_QKV, PH_ATTENTION, PH_ATTENTION_OUT, PH_O, PH_NORM, PH_GATE_UP, PH_SILU, PH_DOWN, N_PHASES };
 
 /* next: the first item of the current phase that no thread has taken yet (phases hand out their items
  * dynamically, below). */
@@ -260,26 +268,43 @@ static void attention_phase(const model_t *md, const step_t *s, const void *kc, 
     }
 }
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The barrier that ends phase `ph`; thread 0 charges the time since the last one to it (when timing). */
+static void end_phase(const step_t *s, barrier_t *bar, int t, int nt, int ph, int64_t *since) {
+    barrier_wait(bar, nt);
+    if (s->phase_ns && t == 0) {
+        const int64_t now = now_ns();
+        s->phase_ns[ph] += now - *since;
+        *since = now;
+    }
+}
+
 static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int nt) {
     const kernels_t *k = &md->k;
     const int64_t m = s->m, hd = md->hidden, inter = md->inter, nqd = md->nq * md->d;
+    int64_t since = s->phase_ns && t == 0 ? now_ns() : 0;
     norm_rows(md, s, NULL, md->first_norm, s->xq, t, nt);
-    barrier_wait(bar, nt);
+    end_phase(s, bar, t, nt, PH_NORM, &since);
     for (int64_t l = 0; l < md->n_layers; l++) {
         const layer_t *L = &md->layers[l];
         void *kc = s->kv[2 * l], *vc = s->kv[2 * l + 1];
         qkv_phase(md, s, L, kc, vc, bar);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_QKV, &since);
         attention_phase(md, s, kc, vc, t, nt);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_ATTENTION, &since);
         k->quantize(s->attn, nqd, m, nqd, share(m * nqd / QK, t, nt), share(m * nqd / QK, t + 1, nt), s->xq);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_ATTENTION_OUT, &since);
         project_runs(md, &L->o, s->xq, m, nqd, s->o, bar, nt);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_O, &since);
         norm_rows(md, s, s->o, L->post_attn_norm, s->xq, t, nt);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_NORM, &since);
         project_runs(md, &L->gate_up, s->xq, m, hd, s->gu, bar, nt);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_GATE_UP, &since);
         /* SiLU * up 32 columns at a time, each run quantized as soon as it is made */
         const int64_t nb = inter / QK;
         for (int64_t i = share(m * nb, t, nt); i < share(m * nb, t + 1, nt); i++) {
@@ -288,12 +313,12 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
             k->silu_mul_row(g, g + inter, s->act + r * inter + c, QK);
             k->quantize(s->act, inter, m, inter, i, i + 1, s->xq);
         }
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_SILU, &since);
         project_runs(md, &L->down, s->xq, m, inter, s->down, bar, nt);
-        barrier_wait(bar, nt);
+        end_phase(s, bar, t, nt, PH_DOWN, &since);
         const int last = l == md->n_layers - 1;
         norm_rows(md, s, s->down, L->next_norm, last ? NULL : s->xq, t, nt);
-        if (!last) barrier_wait(bar, nt);
+        if (!last || s->phase_ns) end_phase(s, bar, t, nt, PH_NORM, &since);
     }
 }
 

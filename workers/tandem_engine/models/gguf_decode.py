@@ -66,7 +66,11 @@ class _Step(ctypes.Structure):
     _fields_ = [("m", i64), *((name, p_) for name in ("x", "h", "positions", "slots", "klens", "table")),
                 ("table_stride", i64), ("bs", i64), ("kv_type", i64),
                 *((name, p_) for name in ("kv", "qkv", "attn", "o", "gu", "act", "down", "xq", "scratch")),
-                ("scratch_per_thread", i64)]
+                ("scratch_per_thread", i64), ("phase_ns", p_)]
+
+
+# gguf_decode.c's phases, in step_t.phase_ns order.
+PHASES = ("qkv_rope_kv_write", "attention", "attention_out", "o", "norm_residual", "gate_up", "activation", "down")
 
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -150,6 +154,8 @@ class FusedDecodeStep:
         self._reserve(min(self.row_limit - 1, 32))
         self._scratch = torch.empty(0)
         self._kv: tuple[KVCaches, ctypes.Array[ctypes.c_void_p]] | None = None
+        # None, or int64 [len(PHASES)] that every step adds each phase's nanoseconds to (bench/profile_step.py)
+        self.phase_ns: torch.Tensor | None = None
 
     def _reserve(self, rows: int) -> None:
         """Work buffers for steps of up to `rows` rows."""
@@ -210,7 +216,7 @@ class FusedDecodeStep:
                      table.data_ptr(), table.stride(0), bs, kv_type, ctypes.cast(self._kv_pointers(kv_caches), p_),
                      w["qkv"].data_ptr(), w["attn"].data_ptr(), w["o"].data_ptr(), w["gu"].data_ptr(),
                      w["act"].data_ptr(), w["down"].data_ptr(), self._xq.data_ptr(), self._scratch.data_ptr(),
-                     per_thread)
+                     per_thread, None if self.phase_ns is None else self.phase_ns.data_ptr())
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step), threads)
         if rc:
             raise RuntimeError(f"gguf decode step failed ({rc})")
