@@ -24,8 +24,9 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
+from tandem_engine.models import dense_matmul
 from tandem_engine.models.dense_matmul import DenseKernel, PanelLinear
-from tandem_engine.models.packed_linear import MIN_PACKED_ROWS, linear, packing_supported
+from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
 
 logger = logging.getLogger(__name__)
@@ -167,9 +168,9 @@ class DecoderLayer(nn.Module):
         self.packed.pop(name, None)
 
     def use_panels(self, kernel: DenseKernel) -> None:
-        """Make the panel copies of the dense projections. Matmuls of fewer rows than oneDNN's packed copy
-        takes then run on them (faster than F.linear there), so a projection that has both frees its plain
-        weight (its shape becomes [0])."""
+        """Make the panel copies of the dense projections. Matmuls of up to PANEL_MAX_ROWS rows then run on
+        them (faster than F.linear and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a
+        projection that has both frees its plain weight (its shape becomes [0])."""
         for name, (weight, _) in self.projections().items():
             if name in self.quantized:
                 continue
@@ -183,7 +184,7 @@ class DecoderLayer(nn.Module):
         if q is not None:
             return q(x)
         panels = self.panels.get(name)
-        if panels is not None and (x.shape[0] < MIN_PACKED_ROWS or self.packed.get(name) is None):
+        if panels is not None and (x.shape[0] <= dense_matmul.PANEL_MAX_ROWS or self.packed.get(name) is None):
             return panels(x, bias)
         return linear(x, weight, bias, self.packed.get(name))
 
