@@ -23,8 +23,7 @@ from torch import nn
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
-from tandem_engine.models import packed_linear
-from tandem_engine.models import dense_matmul
+from tandem_engine.models import dense_matmul, packed_linear
 from tandem_engine.models.dense_matmul import DenseKernel, PanelLinear
 from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
