@@ -31,7 +31,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     whole, rest = divmod(n, PANEL)
     out = torch.zeros(whole + (rest > 0), k, PANEL, dtype=torch.float32)  # no copy of the weight on the way
-    out[:whole].copy_(weight[: whole * PANEL].unflatten(0, (whole, PANEL)).transpose(1, 2))
+    head = weight[: whole * PANEL]  # any strides: splitting the row dim is always a view
+    out[:whole].copy_(head.as_strided((whole, k, PANEL), (PANEL * head.stride(0), head.stride(1), head.stride(0)),
+                                      head.storage_offset()))
     if rest:
         out[whole, :, :rest].copy_(weight[whole * PANEL :].t())
     return out
