@@ -29,6 +29,7 @@ def test_prepare_builds_every_kernel_a_start_loads(tmp_path: Path) -> None:
     none is compiled again, so a baked read-only cache starts warm."""
     from tandem_engine.attention.torch_backend import load_kernel
     from tandem_engine.kernels.fused import load_fused_ops
+    from tandem_engine.models.dense_matmul import load_dense_kernel
     from tandem_engine.models.gguf_decode import load_decode_kernel
     from tandem_engine.models.gguf_linear import load_gguf_kernel
 
@@ -36,10 +37,11 @@ def test_prepare_builds_every_kernel_a_start_loads(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     assert prepare.main(["--model", str(gguf), "--cache-dir", str(cache)]) == 0
     built = {p.name for p in (cache / "kernels").glob("*.so")}
-    assert {name.split("_")[0] for name in built} >= {"paged", "fused", "gguf"}
+    assert {name.split("_")[0] for name in built} >= {"paged", "fused", "gguf", "dense"}
     assert any(n.startswith("gguf_matmul_") for n in built) and any(n.startswith("gguf_decode_") for n in built)
     load_gguf_kernel.cache_clear()  # a start is a fresh process: nothing remembered from prepare
+    load_dense_kernel.cache_clear()
     assert load_kernel(cache) is not None and load_fused_ops(cache).native
-    assert load_decode_kernel(cache) is not None
+    assert load_decode_kernel(cache) is not None and load_dense_kernel(cache) is not None
     load_gguf_kernel(cache)
     assert {p.name for p in (cache / "kernels").glob("*.so")} == built

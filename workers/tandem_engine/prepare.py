@@ -1,6 +1,6 @@
 """Build what an engine would otherwise build at its first start: the model cache of a GGUF model and the
-CPU kernels (attention, fused norm and activation, and `--quantization gguf`'s matmul and fused decode
-step), into a cache directory. The worker image runs it at build time so that pods start
+CPU kernels (attention, fused norm and activation, the fused decode step and its float32 panel matmul, and
+`--quantization gguf`'s matmul), into a cache directory. The worker image runs it at build time so that pods start
 warm from a read-only cache (docs/operations.md, "Start-up and the model cache"):
 
     python -m tandem_engine.prepare --model smollm2-135m-instruct --cache-dir /opt/tandem/cache
@@ -21,11 +21,12 @@ logger = logging.getLogger(__name__)
 
 def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     """Build the model's cache (a GGUF's; nothing for a safetensors directory) and, with `kernel`, every CPU
-    kernel an engine may build at start (attention, fused norm and activation; for `--quantization gguf`
-    its matmul and fused decode step) under `cache_dir`. Returns the model's safetensors directory. Raises
+    kernel an engine may build at start (attention, fused norm and activation, the fused decode step and
+    the dense path's panel matmul; `--quantization gguf`'s matmul) under `cache_dir`. Returns the model's safetensors directory. Raises
     RuntimeError if a kernel cannot be built."""
     from tandem_engine.attention.torch_backend import load_kernel
     from tandem_engine.kernels.fused import load_fused_ops
+    from tandem_engine.models.dense_matmul import load_dense_kernel
     from tandem_engine.models.gguf_decode import load_decode_kernel
     from tandem_engine.models.gguf_linear import load_gguf_kernel
     from tandem_engine.models.loader import resolve_model, weights_dir
@@ -35,7 +36,7 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     if kernel:
         load_gguf_kernel(cache_dir)  # RuntimeError naming the flag if it cannot be built
         if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
-                or load_decode_kernel(cache_dir) is None:
+                or load_decode_kernel(cache_dir) is None or load_dense_kernel(cache_dir) is None:
             raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
     logger.info("[startup] prepared %s in %s in %.1fs", model, d, time.perf_counter() - t0)
     return d
