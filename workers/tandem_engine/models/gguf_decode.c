@@ -1,14 +1,15 @@
-/* A whole decode step of a Llama-family model under --quantization gguf in one OpenMP parallel region (see
- * gguf_decode.py, which builds it with kernels/build.py and calls it through ctypes; docs/architecture.md,
- * "One C call per decode step").
+/* A whole decode step of a Llama-family model, under --quantization gguf or on the dense float32 path, in one
+ * OpenMP parallel region (see gguf_decode.py, which builds it with kernels/build.py and calls it through
+ * ctypes; docs/architecture.md, "One C call per decode step" and "Dense decode steps in one call").
  *
  * For every layer and every row (one new token per sequence): q|k|v of the normed residual stream, RoPE,
  * K and V into the paged cache (float32, bfloat16 or float16, rounded as torch rounds), attention,
  * o + residual, the post-attention norm, gate|up, SiLU * up, down + residual and the next norm (the next
  * layer's input norm, or the final norm after the last layer).
- * The work itself is the other kernels' code, reached through function pointers (kernels_t): the int8
- * matmul of gguf_matmul.c (quantize x, then a range of output columns), the row kernels of kernels/fused.c
- * and the head-range attention of attention/paged_attention.c, each built with its own flags; so the step
+ * The work itself is the other kernels' code, reached through function pointers (kernels_t): a matmul in
+ * two halves (quantize x, then a range of output columns: gguf_matmul.c's int8 kernel, or
+ * dense_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c and the
+ * head-range attention of attention/paged_attention.c, each built with its own flags; so under gguf the step
  * computes the op-by-op path's floats. What this file adds is the threading, RoPE and the cache writes.
  *
  * Why: run op by op, a step is ~150 parallel regions, and under OMP_WAIT_POLICY=PASSIVE (cpu_budget.py: an

@@ -1,17 +1,21 @@
-"""One C call per decode step under `--quantization gguf` (docs/architecture.md, "One C call per decode step").
+"""One C call per decode step, under `--quantization gguf` or on the dense float32 path (docs/architecture.md,
+"One C call per decode step" and "Dense decode steps in one call").
 
 Run op by op, a decode step of SmolLM2 is ~150 OpenMP parallel regions (every projection, norm, activation
-and attention call of 30 layers), and since an engine waits passively (cpu_budget.py: an idle engine must
-not spin) each region wakes sleeping threads. `GGUFDecodeStep` runs every layer of a decode step, up to the
-final norm, in one region of `gguf_decode.c`, which calls the very kernels the op-by-op path calls (the int8
-matmul, the fused norm and SiLU rows, the paged attention) so that both paths give the same floats. The
-embedding lookup and the head stay where they are (the head is one more region).
+and attention call of 30 layers) and as many trips through Python and torch's dispatch, and since an engine
+waits passively (cpu_budget.py: an idle engine must not spin) each region wakes sleeping threads.
+`FusedDecodeStep` runs every layer of a decode step, up to the final norm, in one region of `gguf_decode.c`,
+which calls the kernels the op-by-op path calls (the fused norm and SiLU rows, the paged attention) and a
+matmul given as two entry points (`StepMatmuls`): the int8 GGUF kernel (`gguf_matmuls`: both paths give the
+same floats), or the float32 panel kernel (`dense_matmuls`, models/dense_matmul.py: the same sums as
+oneDNN's in another order). The embedding lookup and the head stay where they are (the head is one more
+region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
-step runs fused when every row is a decode row and there are fewer rows than the int8 kernel takes (24:
-`DENSE_FROM_ROWS`). Any other step runs op by op. The KV cache may hold float32, bfloat16 or float16
-(`--kv-cache-dtype`): the step rounds K and V into it as torch does and the attention kernel reads it in
-place.
+step runs fused when every row is a decode row and, under gguf, there are fewer rows than the int8 kernel
+takes (24: `DENSE_FROM_ROWS`; dense steps of any size run fused). Any other step runs op by op. The KV cache
+may hold float32, bfloat16 or float16 (`--kv-cache-dtype`): the step rounds K and V into it as torch does and
+the attention kernel reads it in place.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         # Quantized projections replacing the dense ones (`--quantization`), by projection name.
         self.quantized: dict[str, QuantizedLinear] = {}
         # float32 panel copies of the projections (models/dense_matmul.py), made for fused decode steps; they
-        # also take the op-by-op matmuls of a few rows (`use_panels`).
+        # also take the op-by-op matmuls of up to PANEL_MAX_ROWS rows (`use_panels`).
         self.panels: dict[str, PanelLinear] = {}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
@@ -343,8 +343,8 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, w, None, self.packed_lm_head).float()
 
     def use_panels(self, kernel: DenseKernel) -> None:
-        """Run the dense projections' matmuls of few rows, and the head's of any, on float32 panel copies
-        (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
+        """Run the dense projections' matmuls of up to PANEL_MAX_ROWS rows, and the head's of any, on float32
+        panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
         are freed (their shape becomes [0])."""
         for layer in self.layers:
