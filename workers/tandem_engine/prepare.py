@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     """Build the model's cache (a GGUF's; nothing for a safetensors directory) and, with `kernel`, every CPU
     kernel an engine may build at start (attention, fused norm and activation, the fused decode step and
-    the dense path's panel matmul; `--quantization gguf`'s matmul) under `cache_dir`. Returns the model's safetensors directory. Raises
-    RuntimeError if a kernel cannot be built."""
+    the dense path's panel matmul; `--quantization gguf`'s matmul) under `cache_dir`. Returns the model's
+    safetensors directory. Raises RuntimeError if a kernel cannot be built."""
     from tandem_engine.attention.torch_backend import load_kernel
     from tandem_engine.kernels.fused import load_fused_ops
     from tandem_engine.models.dense_matmul import load_dense_kernel

@@ -1,6 +1,6 @@
 """The float32 panel matmul of the dense decode step (models/dense_matmul.py) against torch in float64: every
 shape from a single row and column up (partial tiles of rows, partial panels of columns), column ranges
-that cut panels, and the same floats from the AVX2 build and the portable one."""
+that cut panels, and the same floats from the AVX-512, AVX2 and portable builds."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return exact, bound
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 32])  # tiles of 6 rows: one row, partial, whole, whole + partial
+# tiles of 6 rows (AVX2) or 12 (AVX-512): one row, partial, whole, whole + partial, several
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 11, 12, 13, 25, 32])
 @pytest.mark.parametrize("n,k", [(1, 1), (15, 33), (16, 64), (17, 96), (40, 576), (200, 7)])
 def test_matmul_is_the_product_to_float32_rounding(kernel: DenseKernel, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -78,25 +79,32 @@ def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: DenseKernel) 
     copy_x(x.data_ptr(), x.stride(0), m, k, blocks // 2, blocks, buf.data_ptr())
     assert torch.equal(buf.view(torch.float32).view(m, k), x)
     whole = kernel.matmul(x, panels, n)
-    out = torch.full((m, n), float("nan"))
-    for c0, c1 in [(0, 3), (3, 16), (16, 37), (37, 48), (48, 50)]:
-        cols(buf.data_ptr(), m, panels.data_ptr(), 0, k, c0, c1, out.data_ptr(), n)
-    assert torch.equal(out, whole)
+    assert kernel.tile_cols in (PANEL, 2 * PANEL)  # AVX-512 tiles take two panels
+    # cuts inside a tile's first panel, its second, on and between panels, and a last lone panel
+    for runs in [[(0, 3), (3, 16), (16, 37), (37, 48), (48, 50)], [(0, 5), (5, 40), (40, 50)], [(0, 50)]]:
+        out = torch.full((m, n), float("nan"))
+        for c0, c1 in runs:
+            cols(buf.data_ptr(), m, panels.data_ptr(), 0, k, c0, c1, out.data_ptr(), n)
+        assert torch.equal(out, whole)
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="the vector path needs AVX2 and FMA")
-def test_the_portable_build_computes_the_same_floats(kernel: DenseKernel, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without AVX2 the kernel is a scalar loop of fmaf: each output is the same chain of fused
-    multiply-adds in k order, so the two builds agree bit for bit (not merely to rounding)."""
-    monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v2")
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
+def test_every_build_computes_the_same_floats(kernel: DenseKernel, march: str, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable build (x86-64-v2: a scalar loop of fmaf) and the AVX2 one (x86-64-v3) against this
+    CPU's (AVX-512 where it has it): each output is the same chain of fused multiply-adds in k order in
+    every build, so they agree bit for bit (not merely to rounding)."""
+    monkeypatch.setenv(KERNEL_MARCH_ENV, march)
     from tandem_engine.kernels.build import base_flags
 
-    portable = DenseKernel(build_library("dense_matmul", _SRC, base_flags(), tmp_path))
+    other = DenseKernel(build_library("dense_matmul", _SRC, base_flags(), tmp_path))
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(13, 200, generator=g), torch.randn(37, 200, generator=g)
+    x, w = torch.randn(31, 200, generator=g), torch.randn(37, 200, generator=g)
     panels = pack_panels(w)
-    want = kernel.matmul(x, panels, 37)
-    assert torch.equal(portable.matmul(x, panels, 37), want)
-    # a sum in any other order (here torch's) is not the same floats: the check can tell orders apart
-    assert not torch.equal(x @ w.T, want)
+    want = kernel.matmul(x, panels, 37)  # tiles of every size of the vector builds: 6 or 12 rows, 7, 1
+    assert torch.equal(other.matmul(x, panels, 37), want)
+    assert torch.equal(other.matmul(x[:5], panels, 37), want[:5])
+    # a sum rounded otherwise (here in float64, rounded once) is not the same floats: the check can tell them
+    # apart (torch's own x @ w.T may be the same chain: MKL's small-matrix path on an AVX-512 Xeon is)
+    assert not torch.equal((x.double() @ w.double().T).float(), want)

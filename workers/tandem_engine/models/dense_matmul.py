@@ -50,6 +50,9 @@ class DenseKernel:
         # For the fused decode step (gguf_decode.c's kernels_t): x copied into its buffer, then columns.
         self.entries = {"quantize": address(lib, "tandem_dense_copy_x"),
                         "matmul_cols": address(lib, "tandem_dense_matmul_cols")}
+        # Output columns of a tile (one panel, or two in the AVX-512 build): runs of columns that start on
+        # multiples of it take whole tiles.
+        self.tile_cols = int(lib.tandem_dense_tile_cols())
 
     @staticmethod
     def x_bytes(m: int, k: int) -> int:

@@ -31,7 +31,7 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
-from tandem_engine.models.dense_matmul import PANEL, DenseKernel, load_dense_kernel
+from tandem_engine.models.dense_matmul import DenseKernel, load_dense_kernel
 from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -113,7 +113,7 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
     """The step's matmuls over float32 panel copies of `model`'s projections (made here, once: use_panels)."""
     model.use_panels(kernel)
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    return StepMatmuls("float32 panel matmuls", kernel.entries, kernel.x_bytes, PANEL, DENSE_ROW_LIMIT,
+    return StepMatmuls("float32 panel matmuls", kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
                        [{name: ([(p.panels, p.out_features, 0)], p.out_features) for name, p in layer.panels.items()}
                         for layer in layers])
 
