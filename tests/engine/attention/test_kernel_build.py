@@ -37,6 +37,27 @@ def test_kernel_built_for_an_isa_level_matches_the_reference(tmp_path: Path, mon
     assert level.is_file()
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64" or not _has("avx512f", "avx2", "fma", "bmi2", "f16c", "movbe"),
+                    reason="needs an AVX-512 CPU")
+def test_avx512_build_computes_the_avx2_builds_floats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AVX-512 the decode scores of 16 keys are summed together (four shuffle-and-add levels over pairs
+    of keys) instead of one horizontal sum per key; the levels are hsum16's tree, so the outputs are the
+    AVX2 build's bit for bit, on rows of whole and partial 16-key blocks."""
+    outs = []
+    for march in ("x86-64-v3", None):
+        monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / str(march)))
+        if march:
+            monkeypatch.setenv(KERNEL_MARCH_ENV, march)
+        else:
+            monkeypatch.delenv(KERNEL_MARCH_ENV)
+        out, ref = run_step([1, 1, 1, 1], [40, 20, 35, 17], [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]],
+                            use_kernel=True, heads=(9, 3, 64), bs=16)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        outs.append(out)
+    assert len(list((tmp_path / "None" / "kernels").glob("*.so"))) == 1, "the native kernel was not built"
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
                     reason="reads x86-64 machine code with objdump")
 def test_kernel_issues_its_prefetches(tmp_path: Path) -> None:

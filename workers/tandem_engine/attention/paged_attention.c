@@ -217,33 +217,102 @@ static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64
         for (int c = 0; c < 4; c++) st16(acc + k * acc_stride + 16 * c, a[k][c]);
 }
 
+/* p[k] = the 16 lane sums of q[k * d : + d] * K row kr (of cache type kt) for nh heads, in d order: the FMA
+ * chains of one key, whose 16 lanes hsum16 adds up. */
+static inline __attribute__((always_inline)) void key_lanes(v16 *p, const float *q, int d, const char *kr,
+                                                           const int kt, const int nh) {
+    const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
+    for (int k = 0; k < nh; k++) p[k] = zero16();
+    for (int x = 0; x < d; x += 64) {
+        const char *kx = kr + x * es;
+        const v16 k0 = ld16kv(kx, kt), k1 = ld16kv(kx + 16 * es, kt), k2 = ld16kv(kx + 32 * es, kt),
+                  k3 = ld16kv(kx + 48 * es, kt);
+        for (int k = 0; k < nh; k++) {
+            const float *qk = q + k * d + x;
+            p[k] = fma16(ld16(qk), k0, p[k]); p[k] = fma16(ld16(qk + 16), k1, p[k]);
+            p[k] = fma16(ld16(qk + 32), k2, p[k]); p[k] = fma16(ld16(qk + 48), k3, p[k]);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* The four levels of hsum16's tree (lanes i and i + 8, then i and i + 4 of those, then pairs, then the two
+ * halves), each over two vectors at once: 16 keys' lane vectors become their 16 sums with 15 adds and 30
+ * shuffles instead of 16 horizontal sums, and every sum is the same floats as hsum16's. */
+static inline __m512 tree1(v16 a, v16 b) {  /* [a's 8 | b's 8] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x44), _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE));
+}
+static inline __m512 tree2(__m512 a, __m512 b) {  /* [a's first 4 | a's second | b's first | b's second] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+static inline __m512 tree3(__m512 a, __m512 b) {  /* in each 128-bit lane: [a's 2 | b's 2]; then [a, a, b, b] */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+#endif
+
 /* For nh query heads that read the same KV head, the scores of the block's n tokens:
  * s[k * s_stride + o] = scale * q[k * d : + d] . kb[k0_at + o * stride : + d] (kb of cache type kt), for d
- * a multiple of 64. Each K row is
- * loaded once for the nh heads, and a score costs one horizontal sum. A head's arithmetic is the same
- * whatever nh is, so its scores do not depend on which heads share the call. */
+ * a multiple of 64. Each K row is loaded once for the nh heads; with AVX-512, 16 keys' sums are made
+ * together (tree1..3; as one horizontal sum per key, they were 30% of the loop's time with the cache in L2).
+ * A head's arithmetic is the same whatever nh is, so its scores do not depend on which heads share the
+ * call. */
 static inline __attribute__((always_inline)) void scores_heads64(float *s, int64_t s_stride, const float *q, int d,
                                                                 const void *kb, int64_t k0_at, const int kt,
                                                                 int64_t n, int64_t stride, float scale,
                                                                 pf_stream *pf, int64_t per, const int nh) {
-    for (int64_t o = 0; o < n; o++) {
-        pf_step(pf, per);
-        const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
-        const char *kr = (const char *)kb + (k0_at + o * stride) * es;
-        v16 p[GROUP_MAX];
-        for (int k = 0; k < nh; k++) p[k] = zero16();
-        for (int x = 0; x < d; x += 64) {
-            const char *kx = kr + x * es;
-            const v16 k0 = ld16kv(kx, kt), k1 = ld16kv(kx + 16 * es, kt), k2 = ld16kv(kx + 32 * es, kt),
-                      k3 = ld16kv(kx + 48 * es, kt);
-            for (int k = 0; k < nh; k++) {
-                const float *qk = q + k * d + x;
-                p[k] = fma16(ld16(qk), k0, p[k]); p[k] = fma16(ld16(qk + 16), k1, p[k]);
-                p[k] = fma16(ld16(qk + 32), k2, p[k]); p[k] = fma16(ld16(qk + 48), k3, p[k]);
+    const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
+    const char *k0 = (const char *)kb + k0_at * es;
+    int64_t o = 0;
+#if defined(__AVX512F__)
+    /* key r + 4 j of 16 lands in lane r + 4 j: pairs (r, r + 4) and (r + 8, r + 12), then r's two pairs */
+    for (; o + 16 <= n; o += 16) {
+        __m512 y[GROUP_MAX][4];
+        for (int r = 0; r < 4; r++) {
+            __m512 x[GROUP_MAX][2];
+            for (int h = 0; h < 2; h++) {
+                v16 pa[GROUP_MAX], pb[GROUP_MAX];
+                pf_step(pf, per);
+                key_lanes(pa, q, d, k0 + (o + r + 8 * h) * stride * es, kt, nh);
+                pf_step(pf, per);
+                key_lanes(pb, q, d, k0 + (o + r + 8 * h + 4) * stride * es, kt, nh);
+                for (int k = 0; k < nh; k++) x[k][h] = tree1(pa[k], pb[k]);
             }
+            for (int k = 0; k < nh; k++) y[k][r] = tree2(x[k][0], x[k][1]);
         }
+        for (int k = 0; k < nh; k++) {
+            const __m512 sums = tree3(tree3(y[k][0], y[k][1]), tree3(y[k][2], y[k][3]));
+            _mm512_storeu_ps(s + k * s_stride + o, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; o < n; o++) {
+        pf_step(pf, per);
+        v16 p[GROUP_MAX];
+        key_lanes(p, q, d, k0 + o * stride * es, kt, nh);
         for (int k = 0; k < nh; k++) s[k * s_stride + o] = hsum16(p[k]) * scale;
     }
+}
+
+/* s[0, n) = softmax(s[0, n)), in place. The max and the sum run over 16 lanes (p % 16) and then across
+ * them in a fixed order: as one serial chain over the keys, each head's max and sum waited a compare or an
+ * add latency per key, which was most of a decode step's attention time with the cache in L2. */
+static inline void softmax(float *s, int64_t n) {
+    float lane[16];
+    for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
+    int64_t p = 0;
+    for (; p + 16 <= n; p += 16)
+        for (int l = 0; l < 16; l++) lane[l] = s[p + l] > lane[l] ? s[p + l] : lane[l];
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
+    for (; p < n; p++) m = s[p] > m ? s[p] : m;
+    for (p = 0; p < n; p++) s[p] = expf(s[p] - m);
+    for (int l = 0; l < 16; l++) lane[l] = 0.f;
+    for (p = 0; p + 16 <= n; p += 16)
+        for (int l = 0; l < 16; l++) lane[l] += s[p + l];
+    float sum = hsum16(ld16(lane));
+    for (; p < n; p++) sum += s[p];
+    const float inv = 1.f / sum;
+    for (p = 0; p < n; p++) s[p] *= inv;
 }
 
 /* The slices [off, off + bytes) of n tokens of tok_bytes each from p: a row's KV heads of one block, the
@@ -325,13 +394,7 @@ static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t 
             }
         pf_step(&pf, INT64_MAX);  /* what the loops did not request */
     }
-    for (int hi = h0; hi < h1; hi++) {
-        float *s = sc + hi * klen, m = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < klen; p++) m = s[p] > m ? s[p] : m;
-        for (int64_t p = 0; p < klen; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < klen; p++) s[p] *= inv;
-    }
+    for (int hi = h0; hi < h1; hi++) softmax(sc + hi * klen, klen);
     memset(acc + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
