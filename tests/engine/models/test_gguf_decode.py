@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
 from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
-from tandem_engine.models.llama import LlamaForCausalLM
+from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
 from tandem_engine.worker.greedy_probe import greedy_decode, logprob_drift
 from tandem_engine.worker.model_runner import ModelRunner
@@ -138,13 +138,28 @@ def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
     model, backend, _ = dense
     step = model.decode_step
     assert isinstance(step, FusedDecodeStep) and step.kind == "float32 panel matmuls"
+    decode_against_op_by_op(model, backend, threads, kv, to_float_rounding)
 
-    def close(a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.dtype == torch.float32:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:  # at most one unit in the last place of the cache's type, anywhere
-            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-30).all()
-    decode_against_op_by_op(model, backend, threads, kv, close)
+
+def to_float_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:  # at most one unit in the last place of the cache's type, anywhere
+        assert ((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-30).all()
+
+
+def test_a_second_runner_over_the_same_model_fuses_again(
+        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
+    """A second ModelRunner over weights already loaded (bench/kv_cache_dtype.py's probe does this) fuses
+    its decode steps again: the panel copies made by the first are kept, since the plain weights they
+    replaced are gone."""
+    model, backend, tmp = dense
+    layers = [cast(DecoderLayer, layer) for layer in model.layers]
+    panels, head = [dict(layer.panels) for layer in layers], model.panel_head
+    assert head is not None and all(panels)
+    assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
+    assert [layer.panels for layer in layers] == panels and model.panel_head is head
+    decode_against_op_by_op(model, backend, 1, torch.float32, to_float_rounding)
 
 
 def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:

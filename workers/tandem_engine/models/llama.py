@@ -169,9 +169,10 @@ class DecoderLayer(nn.Module):
     def use_panels(self, kernel: DenseKernel) -> None:
         """Make the panel copies of the dense projections. Matmuls of up to PANEL_MAX_ROWS rows then run on
         them (faster than F.linear and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a
-        projection that has both frees its plain weight (its shape becomes [0])."""
+        projection that has both frees its plain weight (its shape becomes [0]). Projections that have their
+        panels already keep them (a second ModelRunner over the same loaded model)."""
         for name, (weight, _) in self.projections().items():
-            if name in self.quantized:
+            if name in self.quantized or name in self.panels:
                 continue
             self.panels[name] = PanelLinear(weight, kernel)
             if self.packed.get(name) is not None:
@@ -346,10 +347,10 @@ class LlamaForCausalLM(nn.Module):
         """Run the dense projections' matmuls of up to PANEL_MAX_ROWS rows, and the head's of any, on float32
         panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
-        are freed (their shape becomes [0])."""
+        are freed (their shape becomes [0]). Copies made already are kept."""
         for layer in self.layers:
             cast(DecoderLayer, layer).use_panels(kernel)
-        if self.quantized_head is None and self.dtype == torch.float32:
+        if self.quantized_head is None and self.dtype == torch.float32 and self.panel_head is None:
             tied = self.tie_word_embeddings and self.embed_tokens.numel() > 0
             self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel)
             self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
