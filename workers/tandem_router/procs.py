@@ -9,6 +9,7 @@ waited for and stopped one way everywhere. Standard library only: the router imp
 from __future__ import annotations
 
 import ctypes
+import http.client
 import os
 import random
 import signal
@@ -37,9 +38,8 @@ class ChildExited(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A free port for a server this process starts, below the ephemeral range (`free_ports`)."""
+    return free_ports(host, 1)
 
 
 def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
@@ -52,17 +52,30 @@ def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range"))
     return low, high
 
 
-def free_port_pair(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A free port whose successor is free too (KV events: PUB on the port, replay on the next), taken
-    below the ephemeral range: every outgoing connection (a health poll, a ZMQ reconnect) takes an
-    ephemeral port, and one of them took port + 1 between a check there and the engine's bind."""
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A free port whose successor is free too (KV events: PUB on the port, replay on the next)."""
+    return free_ports(host, 2)
+
+
+# Ports free_ports handed out in this process: two servers started at once must not draw the same one.
+_handed: set[int] = set()
+
+
+def free_ports(host: str, count: int, tries: int = 200) -> int:
+    """The first of `count` consecutive free ports, taken at random below the ephemeral range and never
+    handed out before by this process. Not from bind(0): the kernel draws those from the ephemeral range,
+    where every outgoing connection (a health poll, a ZMQ reconnect) and every ZMQ bind to a wildcard port
+    (an engine's frontend sockets) takes its ports too, and one of those took a port between the check
+    and the server's bind (a health poll then read a ZMQ greeting from a test's engine port)."""
     low, _ = ephemeral_ports()
     rng = random.Random()
     for _ in range(tries):
-        port = rng.randrange(max(1024, low - 12000), max(1025, low - 1))
-        if not port_in_use(host, port) and not port_in_use(host, port + 1):
+        port = rng.randrange(max(1024, low - 12000), max(1025, low - count))
+        span = range(port, port + count)
+        if not any(p in _handed or port_in_use(host, p) for p in span):
+            _handed.update(span)
             return port
-    raise OSError(f"no two consecutive free ports on {host} below {low} in {tries} tries")
+    raise OSError(f"no {count} consecutive free ports on {host} below {low} in {tries} tries")
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -76,11 +89,11 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def healthy(url: str) -> bool:
-    """Whether `url`/health answers 200 now."""
+    """Whether `url`/health answers 200 now (anything that is not HTTP is not healthy)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 
