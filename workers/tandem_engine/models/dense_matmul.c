@@ -148,7 +148,7 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, f
  * Prefetch, measured on SmolLM2's projections and head with the weights streamed from memory (2 threads of
  * the AVX2 EPYC): with several row tiles, the first tile of a panel requests the next panel, which the
  * hardware prefetcher left the first tile waiting for (1.05-1.09x at 32 rows, 1.14-1.35x at 8); with a
- * single tile, that doubled the stream (0.6-0.98x at 1 row), so a tile of 2-6 rows requests its own panel
+ * single tile, that doubled the stream (0.6-0.98x at 1 row), so a lone tile of 2 to MR rows requests its panels
  * PF_AHEAD floats (2 KB) ahead instead (1.15-1.21x at 4), and a single row nothing (in the engine, one
  * stream ran 0.94x with the 2 KB prefetch). */
 #define PF_AHEAD 512

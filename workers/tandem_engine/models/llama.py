@@ -183,10 +183,10 @@ class DecoderLayer(nn.Module):
         q = self.quantized.get(name)
         if q is not None:
             return q(x)
-        panels = self.panels.get(name)
-        if panels is not None and (x.shape[0] <= dense_matmul.PANEL_MAX_ROWS or self.packed.get(name) is None):
+        panels, packed = self.panels.get(name), self.packed.get(name)
+        if panels is not None and (x.shape[0] <= dense_matmul.PANEL_MAX_ROWS or packed is None):
             return panels(x, bias)
-        return linear(x, weight, bias, self.packed.get(name))
+        return linear(x, weight, bias, packed)
 
     def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """Where checkpoint tensor `name` (relative to the layer) goes: (param, row start, row end)."""
