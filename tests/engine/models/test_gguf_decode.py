@@ -25,6 +25,8 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
+from tandem_engine.models import llama as llama_module
+from tandem_engine.models import packed_linear
 from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -160,6 +162,30 @@ def test_a_second_runner_over_the_same_model_fuses_again(
     assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
     assert [layer.panels for layer in layers] == panels and model.panel_head is head
     decode_against_op_by_op(model, backend, 1, torch.float32, to_float_rounding)
+
+
+def test_op_by_op_matmuls_past_the_panel_kernels_row_limit_run_on_onednn(
+        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Op by op (prefill chunks, mixed steps) a projection runs on its panels up to the kernel's row limit
+    (96 rows on the AVX-512 build, where oneDNN is ahead from 128 on; 512 on AVX2) and on its oneDNN copy
+    past it, with the same values either way."""
+    model, _, _ = dense
+    layer = cast(DecoderLayer, model.layers[0])
+    panels = layer.panels["o"]
+    assert layer.packed["o"] is not None and layer.o_weight.numel() == 0  # the plain weight is freed
+    assert panels.kernel.max_rows == (96 if panels.kernel.tile_cols > 16 else 512)
+    onednn: list[int] = []
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        onednn.append(x.shape[0])
+        return packed_linear.linear(x, *args)
+
+    monkeypatch.setattr(llama_module, "linear", counted)
+    for rows in (panels.kernel.max_rows, panels.kernel.max_rows + 1):
+        x = torch.randn(rows, layer.q_size)
+        want = panels.kernel.matmul(x, panels.panels, panels.out_features)
+        to_float_rounding(layer._project("o", x, layer.o_weight, layer.o_bias), want)
+    assert onednn == [panels.kernel.max_rows + 1]
 
 
 def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:

@@ -20,10 +20,13 @@ from tandem_engine.kernels.build import address, base_flags, try_build
 
 _SRC = (Path(__file__).parent / "dense_matmul.c").read_text()
 PANEL = 16  # output columns of a panel (dense_matmul.c's NR)
-# Matmuls of up to this many rows run on the panels where a layer has them (the CPU's default step budget,
-# config.CPU_STEP_TOKENS): measured as fast as oneDNN's packed matmul or faster from 1 to 512 rows, and
-# 0.88-0.94x at 2,048 (larger prefill chunks stay on oneDNN).
+# Op-by-op matmuls of up to this many rows run on the panels where a layer has them; larger ones on oneDNN's
+# packed copy (DenseKernel.max_rows). The AVX2 build (one-panel tiles), on an AVX2 EPYC: as fast as oneDNN or
+# faster from 1 to 512 rows (the CPU's default step budget, config.CPU_STEP_TOKENS), 0.88-0.94x at 2,048.
 PANEL_MAX_ROWS = 512
+# The AVX-512 build (two-panel tiles), on an AVX-512 Xeon: even with oneDNN at 64-96 rows, 3-10% behind it
+# from 128 to 512; a prefill of 32 x 256 tokens in 512-token steps spent 9% less in its matmuls on oneDNN.
+PANEL_MAX_ROWS_AVX512 = 96
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,8 @@ class DenseKernel:
         # Output columns of a tile (one panel, or two in the AVX-512 build): runs of columns that start on
         # multiples of it take whole tiles.
         self.tile_cols = int(lib.tandem_dense_tile_cols())
+        # Op-by-op matmuls of up to this many rows run here, larger ones on oneDNN (DecoderLayer._project).
+        self.max_rows = PANEL_MAX_ROWS_AVX512 if self.tile_cols > PANEL else PANEL_MAX_ROWS
 
     @staticmethod
     def x_bytes(m: int, k: int) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
-from tandem_engine.models import dense_matmul, packed_linear
+from tandem_engine.models import packed_linear
 from tandem_engine.models.dense_matmul import DenseKernel, PanelLinear
 from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         # Quantized projections replacing the dense ones (`--quantization`), by projection name.
         self.quantized: dict[str, QuantizedLinear] = {}
         # float32 panel copies of the projections (models/dense_matmul.py), made for fused decode steps; they
-        # also take the op-by-op matmuls of up to PANEL_MAX_ROWS rows (`use_panels`).
+        # also take the op-by-op matmuls of up to DenseKernel.max_rows rows (`use_panels`).
         self.panels: dict[str, PanelLinear] = {}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
@@ -167,8 +167,8 @@ class DecoderLayer(nn.Module):
         self.packed.pop(name, None)
 
     def use_panels(self, kernel: DenseKernel) -> None:
-        """Make the panel copies of the dense projections. Matmuls of up to PANEL_MAX_ROWS rows then run on
-        them (faster than F.linear and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a
+        """Make the panel copies of the dense projections. Matmuls of up to `kernel.max_rows` rows then run
+        on them (faster than F.linear and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a
         projection that has both frees its plain weight (its shape becomes [0]). Projections that have their
         panels already keep them (a second ModelRunner over the same loaded model)."""
         for name, (weight, _) in self.projections().items():
@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
         if q is not None:
             return q(x)
         panels, packed = self.panels.get(name), self.packed.get(name)
-        if panels is not None and (x.shape[0] <= dense_matmul.PANEL_MAX_ROWS or packed is None):
+        if panels is not None and (x.shape[0] <= panels.kernel.max_rows or packed is None):
             return panels(x, bias)
         return linear(x, weight, bias, packed)
 
@@ -344,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, w, None, self.packed_lm_head).float()
 
     def use_panels(self, kernel: DenseKernel) -> None:
-        """Run the dense projections' matmuls of up to PANEL_MAX_ROWS rows, and the head's of any, on float32
+        """Run the dense projections' matmuls of up to `kernel.max_rows` rows, and the head's of any, on float32
         panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
         are freed (their shape becomes [0]). Copies made already are kept."""
