@@ -171,3 +171,30 @@ def test_silu_mul_row_is_vectorised(tmp_path: Path) -> None:
                           check=True).stdout
     body = code.split("<tandem_silu_mul_row>:", 1)[1].split("\n\n", 1)[0]
     assert "divps" in body, "tandem_silu_mul_row divides one float at a time"
+
+
+@pytest.mark.parametrize(("rows", "n"), [*SHAPES, (32, 49152)])
+def test_argmax_is_torchs_token_for_token(ops: FusedOps, rows: int, n: int) -> None:
+    """A greedy step's tokens: the kernel's argmax of each row is torch's, on random logits and on rows built
+    to trip it: equal maxima (the first wins), a NaN (the first NaN wins), infinities and signed zeros."""
+    x, _, _ = _inputs(rows, n, torch.float32, n)
+    assert ops.argmax(x) == x.argmax(dim=-1).tolist()
+    tricky = torch.full((6, n), -torch.inf)
+    if n > 2:
+        tricky[0, [n // 3, n - 1]] = 5.0  # a tie, at a place past the first vector
+        tricky[1, [1, n // 2]] = torch.nan
+        tricky[1, 0] = torch.inf
+        tricky[2, :] = 0.0
+        tricky[2, 0] = -0.0
+        tricky[3, n - 1] = torch.inf  # the last place
+        tricky[4] = torch.randn(n)
+        tricky[4, n - 2] = torch.nan  # a NaN beside the last element
+    assert ops.argmax(tricky) == tricky.argmax(dim=-1).tolist()  # row 5: all -inf, the first
+
+
+def test_argmax_of_strided_rows_and_other_dtypes(ops: FusedOps) -> None:
+    base = torch.randn(7, 2 * 1001)
+    x = base[:, 1001:]  # rows 2002 floats apart
+    assert ops.argmax(x) == x.argmax(dim=-1).tolist()
+    half = torch.randn(5, 301).to(torch.bfloat16)  # not the kernel's: torch's own argmax
+    assert ops.argmax(half) == TORCH_OPS.argmax(half) == half.argmax(dim=-1).tolist()

@@ -109,3 +109,53 @@ void tandem_rope(const float *x, int64_t x_stride, const float *cos, const float
     for (int64_t r = 0; r < rows; r++)
         rope_row(x + r * x_stride, cos + r * cs_stride, sin + r * cs_stride, out + r * nh * d, nh, d);
 }
+
+/* Index of a row's largest value as torch.argmax gives it: the first of equal maxima, and the first NaN if
+ * there is one (NaN is the largest there). One pass in vectors of 16: each lane keeps its largest value and
+ * where it first saw it (a strictly larger value replaces them, so a lane keeps the earliest of its equal
+ * maxima); then the lanes' best, the earliest place on ties, and the tail past the last whole vector. A
+ * NaN anywhere sends the row to a scalar scan for the first one. */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    const int64_t whole = n / 16 * 16;
+    float m = x[0];
+    int64_t at = 0;
+    int nan = 0;
+    if (whole > 0) {
+        vf16 vm;
+        memcpy(&vm, x, sizeof vm);
+        vi16 vat = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, idx = vat, vnan = vm != vm;
+        for (int64_t i = 16; i < whole; i += 16) {
+            vf16 v;
+            memcpy(&v, x + i, sizeof v);
+            idx += 16;
+            const vi16 gt = v > vm;
+            vm = (vf16)(((vi16)v & gt) | ((vi16)vm & ~gt));
+            vat = (idx & gt) | (vat & ~gt);
+            vnan |= v != v;
+        }
+        m = vm[0];
+        at = vat[0];
+        for (int l = 0; l < 16; l++) {
+            nan |= vnan[l] != 0;
+            if (vm[l] > m || (vm[l] == m && vat[l] < at)) { m = vm[l]; at = vat[l]; }
+        }
+    }
+    for (int64_t i = whole; i < n; i++) {
+        nan |= x[i] != x[i];
+        if (x[i] > m) { m = x[i]; at = i; }
+    }
+    if (nan)
+        for (int64_t i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    return at;
+}
+
+/* out[r] = argmax of row r of x [rows, n] (row stride x_stride): a greedy step's tokens from its logits. */
+void tandem_argmax(const float *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t n, int n_threads) {
+    const int nt = threads_for(rows, n, n_threads);
+    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * x_stride, n);
+}

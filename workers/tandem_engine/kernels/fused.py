@@ -1,5 +1,5 @@
 """The decoder's elementwise work between its matmuls, fused: residual add + RMSNorm, SiLU(gate) * up, and
-rotary embedding.
+rotary embedding; and the greedy step's argmax over the logits.
 
 `FusedOps` runs the C kernels of `fused.c` for float32 CPU tensors when they are built, and torch's ops
 otherwise (other dtypes or devices, no compiler, `--no-cpu-fused-kernels`). The torch path is the
@@ -34,6 +34,8 @@ class FusedOps:
             lib.tandem_silu_mul.restype = None
             lib.tandem_rope.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i32]
             lib.tandem_rope.restype = None
+            lib.tandem_argmax.argtypes = [p, i64, p, i64, i64, i32]
+            lib.tandem_argmax.restype = None
 
     @property
     def row_entries(self) -> dict[str, int] | None:
@@ -100,6 +102,17 @@ class FusedOps:
         self._lib.tandem_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                               out.data_ptr(), t, nh, d, torch.get_num_threads())
         return out
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """The index of each row's largest value of x [rows, n], as torch.argmax(x, -1) (the first of equal
+        maxima, the first NaN if any): a greedy step's tokens from its logits."""
+        if not self._applies(x) or x.shape[1] == 0:
+            return [int(t) for t in x.argmax(dim=-1).tolist()]
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        assert self._lib is not None
+        self._lib.tandem_argmax(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1],
+                                torch.get_num_threads())
+        return [int(t) for t in out.tolist()]
 
 
 TORCH_OPS = FusedOps()

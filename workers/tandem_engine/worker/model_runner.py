@@ -17,7 +17,7 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.scheduler import SampledToken, SchedulerOutput
-from tandem_engine.kernels.fused import load_fused_ops
+from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
 from tandem_engine.kv_transfer.interface import KVConnectorWorker
 from tandem_engine.models.gguf_decode import DENSE_ROW_LIMIT, fuse_decode_steps
 from tandem_engine.models.loader import LoadedModel, pick_dtype
@@ -61,9 +61,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = select_backend(config, self.device)
+        ops = TORCH_OPS
         if config.cpu_fused_kernels and self.device.type == "cpu":
-            self.model.use_fused_ops(load_fused_ops(config.cache_path))
-        self.sampler = Sampler()
+            ops = load_fused_ops(config.cache_path)
+            self.model.use_fused_ops(ops)
+        self.sampler = Sampler(ops.argmax)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path)

@@ -2,7 +2,8 @@
 
 Order, as vLLM: raw logprobs first, then min_tokens masking and penalties, temperature, min-p, top-k,
 top-p, and sampling by argmax of probs / Exp(1) noise. A batch where every request is greedy without
-penalties or logprobs is one argmax.
+penalties or logprobs is one argmax over the logits (the fused C kernel's on a CPU, kernels/fused.py: torch's
+argmax took 2.2 ms of a 68 ms batch-32 decode step).
 
 A seeded request's noise for a token depends only on (seed, the token's absolute position in the
 sequence): never on how many steps this engine took. So a request resumed on another engine with the
@@ -13,10 +14,12 @@ tokens already generated appended to its prompt samples exactly what the origina
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
 from tandem_engine.core.scheduler import SampledToken
+from tandem_engine.kernels.fused import TORCH_OPS
 from tandem_engine.request import Request
 
 
@@ -41,15 +44,17 @@ def position_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, argmax: Callable[[torch.Tensor], list[int]] = TORCH_OPS.argmax) -> None:
+        """argmax: each row's index of its largest value, as torch.argmax (FusedOps.argmax)."""
         # Re-seeded for every seeded row; unseeded rows draw from torch's default generator.
         self._seeded = torch.Generator()
+        self._argmax = argmax
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         # logits: [num_reqs, vocab] float32
         if all(r.sampling_params.greedy and r.sampling_params.logprobs is None
                and not _needs_penalties(r) and not _needs_min_tokens_mask(r) for r in reqs):
-            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampledToken(t) for t in self._argmax(logits)]
         return self._sample_general(logits, reqs)
 
     def _sample_general(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
