@@ -35,11 +35,13 @@
 
 /* Rows [0, mr) of x (row stride ldx) times np adjacent panels from wp ([np][k][NR]; np is 2 only in the
  * AVX-512 build); columns [lo, hi) of the np * NR go to y[r * ldy + c] (y points at the first panel's first
- * column). Each step in k also requests the cache line at pf + k * NR of each panel (pf + k * NR: the
- * second), unless pf is NULL. mr and np are constants in each copy (tile_rows). */
+ * column). Unless pf is NULL, every pf_every-th step in k also requests a cache line into L2, one after the
+ * other from pf (and as many from pf + k * NR in the AVX-512 build's second panel). mr and np are constants
+ * in each copy (tile_rows). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *wp, int64_t k,
                                                        float *y, int64_t ldy, const int mr, const int np, int lo,
-                                                       int hi, const float *pf) {
+                                                       int hi, const float *pf, const int pf_every) {
+    int pf_count = 0;
 #if VECTOR == 512
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define DECLARE(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
@@ -47,9 +49,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     const float *wq = wp + k * NR;
     for (int64_t i = 0; i < k; i++) {
         const __m512 b0 = _mm512_loadu_ps(wp + i * NR), b1 = np == 2 ? _mm512_loadu_ps(wq + i * NR) : b0;
-        if (pf) {
-            _mm_prefetch((const char *)(pf + i * NR), _MM_HINT_T0);
-            if (np == 2) _mm_prefetch((const char *)(pf + (k + i) * NR), _MM_HINT_T0);
+        if (pf && ++pf_count == pf_every) {
+            pf_count = 0;
+            _mm_prefetch((const char *)pf, _MM_HINT_T1);
+            if (np == 2) _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T1);
+            pf += NR;
         }
 #define FMA(r)                                                        \
     if (mr > r) {                                                     \
@@ -76,7 +80,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     ROWS(DECLARE)
     for (int64_t i = 0; i < k; i++) {
         const __m256 b0 = _mm256_loadu_ps(wp + i * NR), b1 = _mm256_loadu_ps(wp + i * NR + 8);
-        if (pf) _mm_prefetch((const char *)(pf + i * NR), _MM_HINT_T0);
+        if (pf && ++pf_count == pf_every) {
+            pf_count = 0;
+            _mm_prefetch((const char *)pf, _MM_HINT_T1);
+            pf += NR;
+        }
 #define FMA(r)                                                        \
     if (mr > r) {                                                     \
         const __m256 a = _mm256_broadcast_ss(x + r * ldx + i);        \
@@ -104,6 +112,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     }
 #else
     (void)pf;
+    (void)pf_every;
+    (void)pf_count;
     (void)np;
     for (int r = 0; r < mr; r++)
         for (int c = lo; c < hi; c++) {
@@ -116,14 +126,15 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 
 #if VECTOR == 512
 #define PANELS 2 /* panels a tile reads: 24 sums, two panel loads and a broadcast (of 32 registers) */
-#define TILE(mr) np == 2 ? tile(x, ldx, wp, k, y, ldy, mr, 2, lo, hi, pf) : tile(x, ldx, wp, k, y, ldy, mr, 1, lo, hi, pf)
+#define TILE(mr) np == 2 ? tile(x, ldx, wp, k, y, ldy, mr, 2, lo, hi, pf, pf_every) \
+                         : tile(x, ldx, wp, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
 #else
 #define PANELS 1
-#define TILE(mr) tile(x, ldx, wp, k, y, ldy, mr, 1, lo, hi, pf)
+#define TILE(mr) tile(x, ldx, wp, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
 #endif
 
 static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int mr, int np,
-                      int lo, int hi, const float *pf) {
+                      int lo, int hi, const float *pf, int pf_every) {
     (void)np;
     switch (mr) {
 #if MR > 6
@@ -145,12 +156,16 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, f
 
 /* Output columns [c0, c1) of y [m, ldy] for the m rows of x (row stride ldx), PANELS panels at a time (they
  * are read from memory once, then from cache for their other row tiles).
- * Prefetch, measured on SmolLM2's projections and head with the weights streamed from memory (2 threads of
- * the AVX2 EPYC): with several row tiles, the first tile of a panel requests the next panel, which the
- * hardware prefetcher left the first tile waiting for (1.05-1.09x at 32 rows, 1.14-1.35x at 8); with a
- * single tile, that doubled the stream (0.6-0.98x at 1 row), so a lone tile of 2 to MR rows requests its panels
- * PF_AHEAD floats (2 KB) ahead instead (1.15-1.21x at 4), and a single row nothing (in the engine, one
- * stream ran 0.94x with the 2 KB prefetch). */
+ * Prefetch, measured on SmolLM2's projections and head with the weights streamed from memory: with several
+ * row tiles, the tiles of a panel request the next panels into L2, each tile a share of their lines spread
+ * over its steps in k, so that the whole computation of a panel hides the next one's read. (The first
+ * version had the first tile request all of the next panel, one line per step into L1: 1.05-1.09x at 32 rows
+ * and 1.14-1.35x at 8 over none on 2 threads of the AVX2 EPYC. On 2 threads of the AVX-512 Xeon its burst
+ * outran memory: spreading it, into L2, took 30 layers' projections and the head at 32 rows from 184 to 228
+ * GFLOP/s, with runs of tiles below, and 1.07-1.16x at 16-96 rows.) With a single tile, requesting the next
+ * panel doubled the stream (0.6-0.98x at 1 row), so a lone tile of 2 to MR rows requests its panels PF_AHEAD
+ * floats (2 KB) ahead instead (1.15-1.21x at 4), and a single row nothing (in the engine, one stream ran
+ * 0.94x with the 2 KB prefetch). */
 #define PF_AHEAD 512
 static void cols(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k, int64_t c0, int64_t c1, float *y,
                  int64_t ldy) {
@@ -158,9 +173,11 @@ static void cols(const float *x, int64_t ldx, int64_t m, const float *w, int64_t
         np = PANELS == 2 && (p + 1) * NR < c1 ? 2 : 1;
         const int lo = (int)(c0 > p * NR ? c0 - p * NR : 0), hi = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
         const float *panel = w + p * k * NR;
+        const int64_t tiles = (m + MR - 1) / MR, lines = (k + tiles - 1) / tiles; /* of each next panel, per tile */
         for (int64_t r = 0; r < m; r += MR)
             tile_rows(x + r * ldx, ldx, panel, k, y + r * ldy + p * NR, ldy, (int)(m - r < MR ? m - r : MR), (int)np,
-                      lo, hi, m == 1 ? NULL : m <= MR ? panel + PF_AHEAD : r == 0 ? panel + np * k * NR : NULL);
+                      lo, hi, m == 1 ? NULL : m <= MR ? panel + PF_AHEAD : panel + (np * k + r / MR * lines) * NR,
+                      m <= MR ? 1 : (int)tiles);
     }
 }
 
@@ -185,12 +202,15 @@ void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int 
     cols((const float *)buf, k, m, (const float *)w, k, i0, i1, y, ldy);
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ the panels of w: a whole matmul, its tiles' panels
- * shared out over `threads` OpenMP threads (torch's pool). */
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ the panels of w: a whole matmul, shared out over
+ * `threads` OpenMP threads (torch's pool) in runs of whole tiles, RUNS_PER_THREAD per thread, taken in turn:
+ * a tile's prefetch of the next panels (cols) only helps when the same thread computes them. Tile by tile
+ * the neighbour was mostly the other thread's: the head at 32 rows ran at 172 GFLOP/s in a decode step. */
+#define RUNS_PER_THREAD 4
 void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const float *w, int64_t n, int64_t k, float *y,
                          int64_t ldy, int threads) {
-    const int64_t tiles = (n + PANELS * NR - 1) / (PANELS * NR);
+    const int64_t tiles = (n + PANELS * NR - 1) / (PANELS * NR), spread = (int64_t)threads * RUNS_PER_THREAD;
+    const int64_t run = (tiles + spread - 1) / spread * PANELS * NR, runs = (n + run - 1) / run;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++)
-        cols(x, ldx, m, w, k, t * PANELS * NR, (t + 1) * PANELS * NR < n ? (t + 1) * PANELS * NR : n, y, ldy);
+    for (int64_t t = 0; t < runs; t++) cols(x, ldx, m, w, k, t * run, (t + 1) * run < n ? (t + 1) * run : n, y, ldy);
 }
