@@ -1,5 +1,5 @@
 """The fused C kernels (kernels/fused.c) against torch's own ops: residual add + RMSNorm, SiLU(gate) * up,
-rotary embedding.
+rotary embedding, and the greedy step's argmax.
 
 Odd sizes (not a multiple of the kernels' 8-wide partial sums), one row, 33 rows and 257 rows (split
 between threads, not a multiple of them), strided inputs, and dtypes the kernels do not take (which must give
