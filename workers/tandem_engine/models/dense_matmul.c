@@ -14,6 +14,7 @@
  * of an AVX-512 Xeon (in turn, load 0.7-0.9): the AVX2 build 0.85-0.9x oneDNN at 32 rows, 0.63x at 512; the
  * AVX-512 build with one-panel tiles of 12 rows 1.06x at 32 and 0.72x at 512; with two-panel tiles 1.20-1.24x
  * at 32, 1.07x at 128, 1.02x at 256, 0.97x at 512 and 1.4x at 1-4 rows. */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -202,15 +203,31 @@ void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int 
     cols((const float *)buf, k, m, (const float *)w, k, i0, i1, y, ldy);
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ the panels of w: a whole matmul, shared out over
- * `threads` OpenMP threads (torch's pool) in runs of whole tiles, RUNS_PER_THREAD per thread, taken in turn:
- * a tile's prefetch of the next panels (cols) only helps when the same thread computes them. Tile by tile
- * the neighbour was mostly the other thread's: the head at 32 rows ran at 172 GFLOP/s in a decode step. */
-#define RUNS_PER_THREAD 4
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ the panels of w: a whole matmul over `threads`
+ * OpenMP threads (torch's pool), in runs of whole tiles, RUNS_PER_THREAD per thread, handed out share first:
+ * each thread takes the runs of its own contiguous share in order, then what is left of the others' (so a
+ * descheduled thread's runs are still done). A tile's prefetch of the next panels (cols) only helps when the
+ * same thread computes them: handed out tile by tile, the neighbour was mostly the other thread's and the
+ * head at 32 rows ran at 172 GFLOP/s in a decode step. The fused step hands out its columns the same way
+ * (gguf_decode.c, take_near). */
+#define RUNS_PER_THREAD 8
+#define MAX_SHARES 64
 void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const float *w, int64_t n, int64_t k, float *y,
                          int64_t ldy, int threads) {
+    if (threads > MAX_SHARES) threads = MAX_SHARES;
     const int64_t tiles = (n + PANELS * NR - 1) / (PANELS * NR), spread = (int64_t)threads * RUNS_PER_THREAD;
     const int64_t run = (tiles + spread - 1) / spread * PANELS * NR, runs = (n + run - 1) / run;
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-    for (int64_t t = 0; t < runs; t++) cols(x, ldx, m, w, k, t * run, (t + 1) * run < n ? (t + 1) * run : n, y, ldy);
+    struct { _Alignas(64) int64_t n; } taken[MAX_SHARES] = {{0}};
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        for (int i = 0; i < nt; i++) {
+            const int v = (t + i) % nt;
+            const int64_t first = runs * v / nt, count = runs * (v + 1) / nt - first;
+            for (int64_t j; (j = __atomic_fetch_add(&taken[v].n, 1, __ATOMIC_RELAXED)) < count;) {
+                const int64_t c0 = (first + j) * run;
+                cols(x, ldx, m, w, k, c0, c0 + run < n ? c0 + run : n, y, ldy);
+            }
+        }
+    }
 }
