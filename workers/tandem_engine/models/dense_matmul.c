@@ -170,6 +170,7 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, f
 #define PF_AHEAD 512
 static void cols(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k, int64_t c0, int64_t c1, float *y,
                  int64_t ldy) {
+    if (m <= 0) return; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
     for (int64_t p = c0 / NR, np; p * NR < c1; p += np) {
         np = PANELS == 2 && (p + 1) * NR < c1 ? 2 : 1;
         const int lo = (int)(c0 > p * NR ? c0 - p * NR : 0), hi = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
