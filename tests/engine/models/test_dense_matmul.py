@@ -57,12 +57,14 @@ def test_strided_rows_in_and_out_and_threads_change_nothing(kernel: DenseKernel)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_no_rows_is_an_empty_product(kernel: DenseKernel, threads: int) -> None:
+def test_no_rows_or_no_columns_is_an_empty_product(kernel: DenseKernel, threads: int) -> None:
     """A step whose requests were all aborted samples no rows: the head's matmul of 0 rows is an empty
-    [0, n], not a crash (a division by the rows' tile count once killed the engine with SIGFPE)."""
+    [0, n], not a crash (a division by the rows' tile count once killed the engine with SIGFPE); 0 columns
+    likewise."""
     panels = pack_panels(torch.randn(70, 64))
     with torch_threads(threads):
         assert kernel.matmul(torch.empty(0, 64), panels, 70).shape == (0, 70)
+        assert kernel.matmul(torch.randn(5, 64), panels, 0).shape == (5, 0)
 
 
 def test_panels_are_zero_past_the_last_column() -> None:

@@ -215,7 +215,9 @@ void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int 
 #define MAX_SHARES 64
 void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const float *w, int64_t n, int64_t k, float *y,
                          int64_t ldy, int threads) {
+    if (m <= 0 || n <= 0) return;
     if (threads > MAX_SHARES) threads = MAX_SHARES;
+    if (threads < 1) threads = 1;
     const int64_t tiles = (n + PANELS * NR - 1) / (PANELS * NR), spread = (int64_t)threads * RUNS_PER_THREAD;
     const int64_t run = (tiles + spread - 1) / spread * PANELS * NR, runs = (n + run - 1) / run;
     struct { _Alignas(64) int64_t n; } taken[MAX_SHARES] = {{0}};

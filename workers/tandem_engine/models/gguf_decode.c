@@ -152,6 +152,7 @@ static inline int64_t take(barrier_t *b, int64_t n, int64_t chunk) {
  * at 32 rows with weights streamed from memory, 2 threads of the AVX-512 Xeon: contiguous halves 246
  * GFLOP/s, 4 runs per thread from one counter 230, 16 runs 207. Returns the start of the run taken, or n. */
 static inline int64_t take_near(barrier_t *b, int t, int nt, int64_t n, int64_t chunk) {
+    if (n <= 0 || chunk <= 0) return n;
     if (nt > MAX_SHARES) return take(b, n, chunk);
     const int64_t runs = (n + chunk - 1) / chunk;
     for (int i = 0; i < nt; i++) {
