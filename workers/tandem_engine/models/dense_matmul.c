@@ -171,11 +171,11 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, f
 static void cols(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k, int64_t c0, int64_t c1, float *y,
                  int64_t ldy) {
     if (m <= 0) return; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
+    const int64_t tiles = (m + MR - 1) / MR, lines = (k + tiles - 1) / tiles; /* of each next panel, per tile */
     for (int64_t p = c0 / NR, np; p * NR < c1; p += np) {
         np = PANELS == 2 && (p + 1) * NR < c1 ? 2 : 1;
         const int lo = (int)(c0 > p * NR ? c0 - p * NR : 0), hi = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
         const float *panel = w + p * k * NR;
-        const int64_t tiles = (m + MR - 1) / MR, lines = (k + tiles - 1) / tiles; /* of each next panel, per tile */
         for (int64_t r = 0; r < m; r += MR)
             tile_rows(x + r * ldx, ldx, panel, k, y + r * ldy + p * NR, ldy, (int)(m - r < MR ? m - r : MR), (int)np,
                       lo, hi, m == 1 ? NULL : m <= MR ? panel + PF_AHEAD : panel + (np * k + r / MR * lines) * NR,
