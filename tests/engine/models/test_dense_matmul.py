@@ -1,6 +1,8 @@
 """The float32 panel matmul of the dense decode step (models/dense_matmul.py) against torch in float64: every
 shape from a single row and column up (partial tiles of rows, partial panels of columns), column ranges
-that cut panels, and the same floats from the AVX-512, AVX2 and portable builds."""
+that cut panels, and the same floats from the AVX-512, AVX2 and portable builds. Panels kept in a GGUF
+file's Q4_1 and Q8_0 blocks against the float panels of the gguf package's dequantization: the same floats,
+bit for bit, on every build."""
 
 from __future__ import annotations
 
@@ -11,7 +13,18 @@ import pytest
 import torch
 
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV, build_library, cpu_flags
-from tandem_engine.models.dense_matmul import _SRC, PANEL, DenseKernel, load_dense_kernel, pack_panels
+from tandem_engine.models.dense_matmul import (
+    _SRC,
+    F32,
+    PANEL,
+    DenseKernel,
+    PanelLinear,
+    load_dense_kernel,
+    pack_block_panels,
+    pack_panels,
+)
+from tandem_engine.models.gguf_linear import QuantizedWeight
+from tests.engine.models.test_gguf_linear import Q4_1, Q8_0, random_weight
 from tests.engine.utils import torch_threads
 
 
@@ -74,6 +87,55 @@ def test_panels_are_zero_past_the_last_column() -> None:
     assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 0], w[16]) and not p[1, :, 1:].any()
 
 
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(1, 32), (16, 64), (37, 96), (50, 576)])
+def test_block_panels_unpack_to_the_files_dequantization(kernel: DenseKernel, qtype: int, n: int, k: int) -> None:
+    """Weights of magnitudes 1e-4..3 (subnormal fp16 scales among them) and an all-zero row: unpacked block
+    panels are the float panels of the gguf package's dequantization, bit for bit."""
+    w, ref = random_weight(n, k, qtype, seed=n + k)
+    panels = pack_block_panels(w.data, int(qtype))
+    assert panels.dtype == torch.uint8 and panels.shape == (-(-n // PANEL), k // 32 * (320 if qtype == Q4_1 else 544))
+    assert torch.equal(kernel.unpack(panels, int(qtype), k).view(torch.int32), pack_panels(ref).view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_block_panels_compute_the_float_panels_floats(kernel: DenseKernel, qtype: int, threads: int) -> None:
+    """Every row count that takes a different path (one row; a lone tile unpacking k in chunks; several
+    tiles over a pair of panels unpacked once; none), k past one chunk and not a multiple of it, columns
+    past the last whole panel: the same floats as the float panels."""
+    g = torch.Generator().manual_seed(threads)
+    w, ref = random_weight(75, 224, qtype, seed=threads)
+    blocks, floats = pack_block_panels(w.data, int(qtype)), pack_panels(ref)
+    with torch_threads(threads):
+        for m in (0, 1, 2, 5, 12, 13, 25, 32):
+            x = torch.randn(m, 224, generator=g)
+            got = kernel.matmul(x, blocks, 75, qtype=int(qtype))
+            assert torch.equal(got, kernel.matmul(x, floats, 75)), m
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.matmul(torch.randn(2, 224), blocks, 75)  # block panels called float ones
+
+
+def test_a_panel_linear_keeps_blocks_only_when_they_are_its_weight(kernel: DenseKernel) -> None:
+    """Given the blocks its weight was dequantized from (in parts, as q|k|v are), a PanelLinear keeps them; a
+    weight one ulp off anywhere, parts of two types, or blocks of another shape leave it on float panels, and
+    every one computes its own weight's product."""
+    (q, q_ref), (k, k_ref) = random_weight(40, 64, Q4_1, 1), random_weight(24, 64, Q4_1, 2)
+    weight = torch.cat([q_ref, k_ref])
+    x = torch.randn(3, 64)
+    kept = PanelLinear(weight, kernel, [q, k])
+    assert kept.qtype == int(Q4_1) and not kept.why_float
+    assert torch.equal(kept(x), PanelLinear(weight, kernel)(x))
+    off = weight.clone()
+    off[63, 17] = torch.nextafter(off[63, 17], torch.tensor(1e9))
+    other = QuantizedWeight(int(Q8_0), random_weight(24, 64, Q8_0, 2)[0].data, 64)
+    for w, parts, why in [(off, [q, k], "do not unpack to its weight"), (weight, [q, other], "types [3, 8]"),
+                          (weight, [q], "are not a (64, 64) weight")]:
+        lin = PanelLinear(w, kernel, parts)
+        assert lin.qtype == F32 and why in lin.why_float
+        assert torch.equal(lin(x), PanelLinear(w, kernel)(x))
+
+
 def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: DenseKernel) -> None:
     """The fused step's entry points: x copied into its buffer 32 values at a time, then any range of
     columns (runs start on panels, a head's columns need not)."""
@@ -97,6 +159,14 @@ def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: DenseKernel) 
         for c0, c1 in runs:
             cols(buf.data_ptr(), m, panels.data_ptr(), 0, k, c0, c1, out.data_ptr(), n)
         assert torch.equal(out, whole)
+    # block panels of the same ranges (x's rows: one tile here, and several)
+    w8, ref = random_weight(n, k, Q8_0, 2)
+    blocks, whole = pack_block_panels(w8.data, int(Q8_0)), kernel.matmul(x, pack_panels(ref), n)
+    for runs in [[(0, 3), (3, 16), (16, 37), (37, 48), (48, 50)], [(0, 50)]]:
+        out = torch.full((m, n), float("nan"))
+        for c0, c1 in runs:
+            cols(buf.data_ptr(), m, blocks.data_ptr(), int(Q8_0), k, c0, c1, out.data_ptr(), n)
+        assert torch.equal(out, whole)
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="the vector path needs AVX2 and FMA")
@@ -116,6 +186,12 @@ def test_every_build_computes_the_same_floats(kernel: DenseKernel, march: str, t
     want = kernel.matmul(x, panels, 37)  # tiles of every size of the vector builds: 6 or 12 rows, 7, 1
     assert torch.equal(other.matmul(x, panels, 37), want)
     assert torch.equal(other.matmul(x[:5], panels, 37), want[:5])
+    xb = torch.randn(31, 192, generator=g)
+    for qtype in (Q4_1, Q8_0):  # block panels, unpacked by each build's own code (the portable one's scalar)
+        qw, ref = random_weight(37, 192, qtype, 4)
+        bp, want = pack_block_panels(qw.data, int(qtype)), kernel.matmul(xb, pack_panels(ref), 37)
+        assert torch.equal(other.matmul(xb, bp, 37, qtype=int(qtype)), want)
+        assert torch.equal(other.matmul(xb[:5], bp, 37, qtype=int(qtype)), want[:5])
     # a sum rounded otherwise (here in float64, rounded once) is not the same floats: the check can tell them
     # apart (torch's own x @ w.T may be the same chain: MKL's small-matrix path on an AVX-512 Xeon is)
     assert not torch.equal((x.double() @ w.double().T).float(), want)

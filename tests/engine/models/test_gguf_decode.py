@@ -139,8 +139,89 @@ def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
     the other way: one unit of its last place)."""
     model, backend, _ = dense
     step = model.decode_step
-    assert isinstance(step, FusedDecodeStep) and step.kind == "float32 panel matmuls"
+    assert isinstance(step, FusedDecodeStep)
+    assert step.kind == f"float32 panel matmuls, weights in {4 * TINY['layers'] + 1} float32 panels"  # an F32 file
     decode_against_op_by_op(model, backend, threads, kv, to_float_rounding)
+
+
+@pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def dense_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
+    """The tiny model with its projections in `param` blocks and a tied Q8_0 embedding, served dense twice:
+    its panels kept in the file's blocks, and in float32 (the second model not told which file it came from)."""
+    tmp = tmp_path_factory.mktemp("dense_blocks")
+    path = tiny_gguf(tmp / "tiny.gguf", request.param)
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    models = []
+    for keep_blocks in (True, False):
+        model = load_model(resolve_model(str(path), tmp), torch.float32).model
+        assert model.gguf_file == path.resolve()
+        if not keep_blocks:
+            model.gguf_file = None
+        model.use_fused_ops(load_fused_ops(tmp))
+        assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
+        models.append(model)
+    return models[0], models[1], backend
+
+
+def run_steps(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int) -> list[torch.Tensor]:
+    """A prefill of five prompts (one token to 12 blocks) over scattered blocks and three decode steps: every
+    step's logits, then every cache."""
+    lens, steps = [1, 6, 13, 30, 45], 3
+    pool = list(range(1, 64))
+    random.Random(7).shuffle(pool)
+    tables = [[pool.pop() for _ in range(-(-(n + steps) // BS))] for n in lens]
+    g, caches = torch.Generator().manual_seed(7), caches_for(model)
+    out = []
+    with torch_threads(threads):
+        prompts = torch.randint(3, TINY["vocab"], (sum(lens),), generator=g)
+        out.append(model.compute_logits(model(prompts, positions_for(lens, lens), caches,
+                                              make_meta(lens, lens, tables, BS), backend)))
+        for s in range(steps):
+            seq_lens = [n + s + 1 for n in lens]
+            ids = torch.randint(3, TINY["vocab"], (len(lens),), generator=g)
+            meta = make_meta([1] * len(lens), seq_lens, tables, BS)
+            assert model.decode_step is not None and model.decode_step.refusal(meta, caches) is None
+            out.append(model.compute_logits(model(ids, positions_for([1] * len(lens), seq_lens), caches, meta,
+                                                  backend)))
+    return out + [t for kv in caches for t in kv]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_dense_panels_kept_in_the_files_blocks_give_the_same_floats(
+        dense_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int) -> None:
+    """Served dense, a GGUF model's panels keep the file's blocks (a fifth or a quarter of the bytes a decode
+    step streams): the prefill's small matmuls, every fused decode step, the head and the cache give the
+    floats of float32 panels, bit for bit."""
+    blocks, floats, backend = dense_pair
+    qtype = cast(DecoderLayer, blocks.layers[0]).panels["o"].qtype
+    assert qtype in (int(Q4_1), int(Q8_0)) and floats.panel_head is not None and blocks.panel_head is not None
+    n = 4 * TINY["layers"]
+    kinds = f"{n} Q4_1, 1 Q8_0" if qtype == int(Q4_1) else f"{n + 1} Q8_0"
+    assert cast(FusedDecodeStep, blocks.decode_step).kind == f"float32 panel matmuls, weights in {kinds} panels"
+    assert blocks.panel_head.qtype == int(Q8_0)
+    assert blocks.panel_head.panels.nbytes * 3 < floats.panel_head.panels.nbytes
+    for got, want in zip(run_steps(blocks, backend, threads), run_steps(floats, backend, threads), strict=True):
+        bit_for_bit(got, want)
+
+
+def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """q in Q4_1 and k in Q8_0 (one panel set cannot hold both): q|k|v keeps float panels, with a warning
+    saying why, and the other projections their blocks."""
+    weights = tiny_weights()
+    qtypes = dict.fromkeys([n for n in weights if n.endswith("_proj.weight")], Q4_1)
+    qtypes |= {n: Q8_0 for n in weights if n.endswith("k_proj.weight")}
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", weights, qtypes)
+    model = load_model(resolve_model(str(path), tmp_path), torch.float32).model
+    model.use_fused_ops(load_fused_ops(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert fuse_decode_steps(model, TorchAttentionBackend(use_kernel=True, cache_dir=tmp_path), torch.float32,
+                                 tmp_path) is None
+    layer = cast(DecoderLayer, model.layers[0])
+    assert {name: p.qtype for name, p in layer.panels.items()} == {"qkv": 0, "o": 3, "gate_up": 3, "down": 3}
+    assert "ggml types [3, 8], not all Q4_1 or all Q8_0" in caplog.text
+    assert model.panel_head is not None and model.panel_head.qtype == 0  # the embedding is F32 in this file
 
 
 def to_float_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -183,7 +264,7 @@ def test_op_by_op_matmuls_past_the_panel_kernels_row_limit_run_on_onednn(
     monkeypatch.setattr(llama_module, "linear", counted)
     for rows in (panels.kernel.max_rows, panels.kernel.max_rows + 1):
         x = torch.randn(rows, layer.q_size)
-        want = panels.kernel.matmul(x, panels.panels, panels.out_features)
+        want = panels.kernel.matmul(x, panels.panels, panels.out_features, qtype=panels.qtype)
         to_float_rounding(layer._project("o", x, layer.o_weight, layer.o_bias), want)
     assert onednn == [panels.kernel.max_rows + 1]
 

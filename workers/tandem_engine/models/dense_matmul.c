@@ -6,7 +6,8 @@
  * pass over a panel is one sequential read. With AVX2, a tile of up to MR = 6 rows by one panel keeps its 12
  * sums of 8 in registers across the whole of k; with AVX-512, a tile of up to 12 rows by two adjacent panels
  * (32 columns) keeps 24 sums of 16. Every output is one chain of fused multiply-adds in k order from zero, on
- * every build (the scalar loop of a CPU without AVX2 and FMA computes the same floats).
+ * every build (the scalar loop of a CPU without AVX2 and FMA computes the same floats). The panels may also
+ * keep the GGUF blocks the weights were dequantized from (below: block panels), unpacked to the same floats.
  *
  * Measured against oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise) on SmolLM2's projections with
  * the weights streamed from memory, as in a decode step, on 2 threads of an AVX2 EPYC: 1.2-1.3x at 32 rows,
@@ -16,6 +17,8 @@
  * at 32, 1.07x at 128, 1.02x at 256, 0.97x at 512 and 1.4x at 1-4 rows. */
 #include <omp.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -34,22 +37,137 @@
 
 #define NR 16 /* output columns of a panel */
 
+/* Panels of weights kept in a GGUF file's blocks (the qtype argument, ggml's type ids) instead of floats: the
+ * same [ceil(n / 16)] panels of 16 output columns, each a run of k / 32 block panels, one per block of 32
+ * weights along k, each holding the 16 columns' blocks of that stretch of k (models/dense_matmul.py,
+ * pack_block_panels):
+ *   Q4_1 (320 bytes): 16 fp16 d, 16 fp16 m, then 16 rows of 16 bytes, row i byte c the i-th byte of column c's
+ *        block (its low nibble the weight at k = i, its high nibble the one at k = i + 16);  w = d * q + m
+ *   Q8_0 (544 bytes): 16 fp16 d, then 32 rows of 16 int8, row i byte c column c's weight at k = i;  w = d * q
+ * A pair of panels is unpacked into float panels in a buffer of the thread's, and the tiles run over it as over
+ * float panels. d * q is exact in float32 (11 significant bits times at most 8), so unpacking gives the very
+ * floats the file's dequantization does (gguf.quants, which the dense model is loaded from: d * q, then + m) and
+ * every output is the float the float panels give; the engine checks this of every projection when it packs
+ * them (tandem_dense_unpack). Why: a decode step otherwise streams every float32 weight from memory, 4 bytes,
+ * where the blocks are 0.625 (Q4_1) and 1.06 (Q8_0). */
+enum { F32 = 0, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
+#define QK 32                          /* weights of a block along k */
+
+int64_t tandem_dense_block_bytes(int qtype) { return qtype == Q4_1 ? 320 : qtype == Q8_0 ? 544 : 0; }
+
+/* One block panel at src as floats, out [QK][NR]. */
+static void unpack_block(const uint8_t *src, int qtype, float *out) {
+#if VECTOR == 512
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    if (qtype == Q4_1) {
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 32)));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int i = 0; i < QK / 2; i++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 64 + 16 * i));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
+            _mm512_storeu_ps(out + i * NR, _mm512_fmadd_ps(q0, d, mn)); /* d * q exact: one rounding either way */
+            _mm512_storeu_ps(out + (i + QK / 2) * NR, _mm512_fmadd_ps(q1, d, mn));
+        }
+    } else {
+        for (int i = 0; i < QK; i++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 32 + 16 * i));
+            _mm512_storeu_ps(out + i * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d));
+        }
+    }
+#elif VECTOR == 256 && defined(__F16C__)
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)),
+                 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)));
+    if (qtype == Q4_1) {
+        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 32))),
+                     m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 48)));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int i = 0; i < QK / 2; i++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 64 + 16 * i));
+            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            float *o = out + i * NR, *o2 = out + (i + QK / 2) * NR;
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0, m0));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d1, m1));
+            _mm256_storeu_ps(o2, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d0, m0));
+            _mm256_storeu_ps(o2 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d1, m1));
+        }
+    } else {
+        for (int i = 0; i < QK; i++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 32 + 16 * i));
+            _mm256_storeu_ps(out + i * NR, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d0));
+            _mm256_storeu_ps(out + i * NR + 8,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d1));
+        }
+    }
+#else
+    _Float16 h[2 * NR];
+    memcpy(h, src, qtype == Q4_1 ? sizeof h : sizeof h / 2);
+    for (int c = 0; c < NR; c++) {
+        const float d = (float)h[c], mn = qtype == Q4_1 ? (float)h[NR + c] : 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float w;
+            if (qtype == Q4_1) {
+                const uint8_t b = src[64 + 16 * (i % 16) + c];
+                w = fmaf((float)(i < 16 ? b & 15 : b >> 4), d, mn);
+            } else {
+                w = (float)(int8_t)src[32 + 16 * i + c] * d;
+            }
+            out[i * NR + c] = w;
+        }
+    }
+#endif
+}
+
+/* The CHUNK steps in k from k0 (kn of them, whole blocks) of np adjacent block panels from bp (each of k) as
+ * floats, out [np][CHUNK][NR]; each block's bytes `ahead` bytes further on are requested into L2 on the way
+ * (unless ahead is 0). */
+#define CHUNK 64
+static inline void unpack_chunk(const uint8_t *bp, int qtype, int np, int64_t k, int64_t k0, int64_t kn, float *out,
+                                int64_t ahead) {
+    const int64_t bb = tandem_dense_block_bytes(qtype), panel = k / QK * bb;
+    for (int j = 0; j < np; j++)
+        for (int64_t i = 0; i < kn; i += QK) {
+            const uint8_t *blk = bp + j * panel + (k0 + i) / QK * bb;
+#if VECTOR
+            if (ahead)
+                for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk + ahead + l), _MM_HINT_T1);
+#else
+            (void)ahead;
+#endif
+            unpack_block(blk, qtype, out + (j * CHUNK + i) * NR);
+        }
+}
+
 /* Rows [0, mr) of x (row stride ldx) times np adjacent panels from wp ([np][k][NR]; np is 2 only in the
- * AVX-512 build); columns [lo, hi) of the np * NR go to y[r * ldy + c] (y points at the first panel's first
- * column). Unless pf is NULL, every pf_every-th step in k also requests a cache line into L2, one after the
- * other from pf (and as many from pf + k * NR in the AVX-512 build's second panel). mr and np are constants
- * in each copy (tile_rows). */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *wp, int64_t k,
+ * AVX-512 build) or, if bp is not NULL, from the block panels at bp, unpacked CHUNK steps in k at a time into
+ * a buffer that stays in L1 (requesting their bytes `ahead` further on: unpack_chunk); columns [lo, hi) of
+ * the np * NR go to y[r * ldy + c] (y points at the first panel's first column). Unless pf is NULL, every
+ * pf_every-th step in k also requests a cache line into L2, one after the other from pf (and as many from
+ * pf + k * NR in the AVX-512 build's second panel). mr and np are constants in each copy (tile_rows). The
+ * floats are the same whichever panels hold the weights, and however k is cut into chunks. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *wp,
+                                                       const uint8_t *bp, int qtype, int64_t ahead, int64_t k,
                                                        float *y, int64_t ldy, const int mr, const int np, int lo,
                                                        int hi, const float *pf, const int pf_every) {
     int pf_count = 0;
+    _Alignas(64) float chunk[2 * CHUNK * NR];
+    const int64_t kc = bp ? CHUNK : k; /* steps in k per pass */
+#define CHUNK_START                                                                      \
+    for (int64_t k0 = 0; k0 < k; k0 += kc) {                                             \
+        const int64_t kn = k - k0 < kc ? k - k0 : kc;                                    \
+        const float *w0 = chunk, *w1 = chunk + CHUNK * NR;                               \
+        if (bp)                                                                          \
+            unpack_chunk(bp, qtype, np, k, k0, kn, chunk, ahead);                        \
+        else                                                                             \
+            w0 = wp + k0 * NR, w1 = wp + (k + k0) * NR;                                  \
+        const float *xk = x + k0;
 #if VECTOR == 512
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define DECLARE(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
     ROWS(DECLARE)
-    const float *wq = wp + k * NR;
-    for (int64_t i = 0; i < k; i++) {
-        const __m512 b0 = _mm512_loadu_ps(wp + i * NR), b1 = np == 2 ? _mm512_loadu_ps(wq + i * NR) : b0;
+    CHUNK_START
+    for (int64_t i = 0; i < kn; i++) {
+        const __m512 b0 = _mm512_loadu_ps(w0 + i * NR), b1 = np == 2 ? _mm512_loadu_ps(w1 + i * NR) : b0;
         if (pf && ++pf_count == pf_every) {
             pf_count = 0;
             _mm_prefetch((const char *)pf, _MM_HINT_T1);
@@ -58,11 +176,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         }
 #define FMA(r)                                                        \
     if (mr > r) {                                                     \
-        const __m512 a = _mm512_set1_ps(x[r * ldx + i]);              \
+        const __m512 a = _mm512_set1_ps(xk[r * ldx + i]);             \
         c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                    \
         if (np == 2) c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);       \
     }
         ROWS(FMA)
+    }
     }
     /* lanes [lo, hi) of the first panel and of the second */
     const int l1 = lo > NR ? lo - NR : 0, h0 = hi < NR ? hi : NR;
@@ -79,8 +198,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define DECLARE(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
     ROWS(DECLARE)
-    for (int64_t i = 0; i < k; i++) {
-        const __m256 b0 = _mm256_loadu_ps(wp + i * NR), b1 = _mm256_loadu_ps(wp + i * NR + 8);
+    CHUNK_START
+    (void)w1;
+    for (int64_t i = 0; i < kn; i++) {
+        const __m256 b0 = _mm256_loadu_ps(w0 + i * NR), b1 = _mm256_loadu_ps(w0 + i * NR + 8);
         if (pf && ++pf_count == pf_every) {
             pf_count = 0;
             _mm_prefetch((const char *)pf, _MM_HINT_T1);
@@ -88,11 +209,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         }
 #define FMA(r)                                                        \
     if (mr > r) {                                                     \
-        const __m256 a = _mm256_broadcast_ss(x + r * ldx + i);        \
+        const __m256 a = _mm256_broadcast_ss(xk + r * ldx + i);       \
         c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                    \
         c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                    \
     }
         ROWS(FMA)
+    }
     }
     if (lo == 0 && hi == NR) {
 #define STORE(r)                                                      \
@@ -115,27 +237,30 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     (void)pf;
     (void)pf_every;
     (void)pf_count;
-    (void)np;
+    float acc[MR][NR] = {{0}};
+    CHUNK_START
+    (void)w1;
     for (int r = 0; r < mr; r++)
-        for (int c = lo; c < hi; c++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc = fmaf(x[r * ldx + i], wp[i * NR + c], acc);
-            y[r * ldy + c] = acc;
-        }
+        for (int c = lo; c < hi; c++)
+            for (int64_t i = 0; i < kn; i++) acc[r][c] = fmaf(xk[r * ldx + i], w0[i * NR + c], acc[r][c]);
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = lo; c < hi; c++) y[r * ldy + c] = acc[r][c];
 #endif
+#undef CHUNK_START
 }
 
 #if VECTOR == 512
 #define PANELS 2 /* panels a tile reads: 24 sums, two panel loads and a broadcast (of 32 registers) */
-#define TILE(mr) np == 2 ? tile(x, ldx, wp, k, y, ldy, mr, 2, lo, hi, pf, pf_every) \
-                         : tile(x, ldx, wp, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
+#define TILE(mr) np == 2 ? tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 2, lo, hi, pf, pf_every) \
+                         : tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
 #else
 #define PANELS 1
-#define TILE(mr) tile(x, ldx, wp, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
+#define TILE(mr) tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
 #endif
 
-static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, float *y, int64_t ldy, int mr, int np,
-                      int lo, int hi, const float *pf, int pf_every) {
+static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_t *bp, int qtype, int64_t ahead,
+                      int64_t k, float *y, int64_t ldy, int mr, int np, int lo, int hi, const float *pf, int pf_every) {
     (void)np;
     switch (mr) {
 #if MR > 6
@@ -155,6 +280,36 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, f
     }
 }
 
+/* np adjacent panels from panel p of block panels w, [np][k][NR] floats into buf; requests the next np panels'
+ * bytes into L2 on the way (a pair of panels is 11.5 KB at k = 576, read once per step from memory). */
+static void unpack_panels(const uint8_t *w, int qtype, int64_t p, int np, int64_t k, float *buf, int prefetch) {
+    const int64_t nb = k / QK, bb = tandem_dense_block_bytes(qtype), panel = nb * bb;
+    const uint8_t *src = w + p * panel;
+    for (int j = 0; j < np; j++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + j * panel + b * bb;
+#if VECTOR
+            if (prefetch)
+                for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk + np * panel + l), _MM_HINT_T1);
+#else
+            (void)prefetch;
+#endif
+            unpack_block(blk, qtype, buf + (j * k + b * QK) * NR);
+        }
+}
+
+/* The calling thread's buffer of at least `floats` floats (kept for its next calls). */
+static float *thread_buffer(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t size;
+    if (size < floats) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)floats * sizeof(float));
+        size = buf ? floats : 0;
+    }
+    return buf;
+}
+
 /* Output columns [c0, c1) of y [m, ldy] for the m rows of x (row stride ldx), PANELS panels at a time (they
  * are read from memory once, then from cache for their other row tiles).
  * Prefetch, measured on SmolLM2's projections and head with the weights streamed from memory: with several
@@ -166,21 +321,44 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, int64_t k, f
  * GFLOP/s, with runs of tiles below, and 1.07-1.16x at 16-96 rows.) With a single tile, requesting the next
  * panel doubled the stream (0.6-0.98x at 1 row), so a lone tile of 2 to MR rows requests its panels PF_AHEAD
  * floats (2 KB) ahead instead (1.15-1.21x at 4), and a single row nothing (in the engine, one stream ran
- * 0.94x with the 2 KB prefetch). */
+ * 0.94x with the 2 KB prefetch). Block panels are unpacked a pair at a time (unpack_panels, which requests
+ * the next pair's bytes), and their tiles read the unpacked floats from cache. Returns -1 (nothing written)
+ * if the thread's unpacking buffer cannot be allocated. */
 #define PF_AHEAD 512
-static void cols(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k, int64_t c0, int64_t c1, float *y,
-                 int64_t ldy) {
-    if (m <= 0) return; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
+#ifndef PF_PAIRS
+#define PF_PAIRS 1 /* block panels: a lone tile requests the bytes of the pair of panels this many pairs on (1-4 within 6% at 1 row; 1 the best) */
+#endif
+static int cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t k, int64_t c0, int64_t c1,
+                float *y, int64_t ldy) {
+    if (m <= 0) return 0; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
     const int64_t tiles = (m + MR - 1) / MR, lines = (k + tiles - 1) / tiles; /* of each next panel, per tile */
+    const int blocks = qtype != F32;
+    const int64_t panel_bytes = k / QK * tandem_dense_block_bytes(qtype);
+    float *buf = blocks && m > MR ? thread_buffer(PANELS * k * NR) : NULL; /* several tiles: unpacked once */
+    if (blocks && m > MR && !buf) return -1;
     for (int64_t p = c0 / NR, np; p * NR < c1; p += np) {
         np = PANELS == 2 && (p + 1) * NR < c1 ? 2 : 1;
         const int lo = (int)(c0 > p * NR ? c0 - p * NR : 0), hi = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
-        const float *panel = w + p * k * NR;
+        const uint8_t *bp = blocks ? (const uint8_t *)w + p * panel_bytes : NULL;
+        const float *panel = blocks ? buf : (const float *)w + p * k * NR;
+        if (buf) {
+            unpack_panels(w, qtype, p, (int)np, k, buf, (p + 2 * np) * NR <= c1);
+            bp = NULL;
+        }
+        const int64_t ahead = bp && (p + (PF_PAIRS + 1) * np) * NR <= c1 ? PF_PAIRS * np * panel_bytes : 0;
         for (int64_t r = 0; r < m; r += MR)
-            tile_rows(x + r * ldx, ldx, panel, k, y + r * ldy + p * NR, ldy, (int)(m - r < MR ? m - r : MR), (int)np,
-                      lo, hi, m == 1 ? NULL : m <= MR ? panel + PF_AHEAD : panel + (np * k + r / MR * lines) * NR,
+            tile_rows(x + r * ldx, ldx, panel, bp, qtype, ahead, k, y + r * ldy + p * NR, ldy,
+                      (int)(m - r < MR ? m - r : MR), (int)np, lo, hi,
+                      m == 1 || blocks ? NULL : m <= MR ? panel + PF_AHEAD : panel + (np * k + r / MR * lines) * NR,
                       m <= MR ? 1 : (int)tiles);
     }
+    return 0;
+}
+
+/* Block panels as float panels: `panels` panels of k from w into out [panels][k][NR] (for the engine's check
+ * that they are the float weights, and the tests). */
+void tandem_dense_unpack(const uint8_t *w, int qtype, int64_t panels, int64_t k, float *out) {
+    for (int64_t p = 0; p < panels; p++) unpack_panels(w, qtype, p, 1, k, out + p * k * NR, 0);
 }
 
 /* Output columns a tile covers: runs of columns starting on multiples of this take whole tiles. */
@@ -188,7 +366,7 @@ int tandem_dense_tile_cols(void) { return PANELS * NR; }
 
 /* The fused decode step's entry points (models/gguf_decode.c, kernels_t), in the int8 kernel's shape:
  * `quantize` copies blocks [i0, i1) of 32 values of x [m, k] (row stride ldx, k a multiple of 32) into buf as
- * [m, k] floats; `matmul_cols` computes columns [i0, i1) of y from that copy (qtype unused). */
+ * [m, k] floats; `matmul_cols` computes columns [i0, i1) of y from that copy over the panels w (qtype: F32 or block panels). */
 void tandem_dense_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
     (void)m;
     const int64_t nb = k / 32;
@@ -200,8 +378,11 @@ void tandem_dense_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int6
 
 void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
                               float *y, int64_t ldy) {
-    (void)qtype;
-    cols((const float *)buf, k, m, (const float *)w, k, i0, i1, y, ldy);
+    if (cols((const float *)buf, k, m, w, qtype, k, i0, i1, y, ldy)) {
+        /* the step cannot go on without these columns, and has no way to report: out of memory, say so */
+        fputs("tandem dense_matmul.c: no memory to unpack block panels\n", stderr);
+        abort();
+    }
 }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ the panels of w: a whole matmul over `threads`
@@ -213,14 +394,15 @@ void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int 
  * (gguf_decode.c, take_near). */
 #define RUNS_PER_THREAD 8
 #define MAX_SHARES 64
-void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const float *w, int64_t n, int64_t k, float *y,
-                         int64_t ldy, int threads) {
-    if (m <= 0 || n <= 0) return;
+int tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t n, int64_t k,
+                        float *y, int64_t ldy, int threads) {
+    if (m <= 0 || n <= 0) return 0;
     if (threads > MAX_SHARES) threads = MAX_SHARES;
     if (threads < 1) threads = 1;
     const int64_t tiles = (n + PANELS * NR - 1) / (PANELS * NR), spread = (int64_t)threads * RUNS_PER_THREAD;
     const int64_t run = (tiles + spread - 1) / spread * PANELS * NR, runs = (n + run - 1) / run;
     struct { _Alignas(64) int64_t n; } taken[MAX_SHARES] = {{0}};
+    int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -229,8 +411,9 @@ void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const float *w,
             const int64_t first = runs * v / nt, count = runs * (v + 1) / nt - first;
             for (int64_t j; (j = __atomic_fetch_add(&taken[v].n, 1, __ATOMIC_RELAXED)) < count;) {
                 const int64_t c0 = (first + j) * run;
-                cols(x, ldx, m, w, k, c0, c0 + run < n ? c0 + run : n, y, ldy);
+                if (cols(x, ldx, m, w, qtype, k, c0, c0 + run < n ? c0 + run : n, y, ldy)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
             }
         }
     }
+    return failed ? -1 : 0;
 }

@@ -6,17 +6,26 @@ runs one whole, for the tests and the head.
 multiply-adds in k order (the same floats on every build of the kernel). Faster than oneDNN's packed matmul
 for the short, wide matmuls of a decode step (1.2-1.3x at 32 rows on an AVX2 EPYC), so decode steps run on
 it; prefill keeps oneDNN (packed_linear.py).
+
+A model loaded from a GGUF file holds the floats its Q4_1 and Q8_0 blocks dequantize to, so its panels can
+keep those blocks instead (`pack_block_panels`): the kernel unpacks them to the same floats inside the
+matmul (d * q is exact in float32), and a decode step streams 0.625 or 1.06 bytes a weight instead of 4.
+`PanelLinear` packs them where it is given the blocks and keeps them only if they unpack to its weight bit
+for bit.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tandem_engine.kernels.build import address, base_flags, try_build
+from tandem_engine.models.gguf_linear import BLOCKS, QuantizedWeight
 
 _SRC = (Path(__file__).parent / "dense_matmul.c").read_text()
 PANEL = 16  # output columns of a panel (dense_matmul.c's NR)
@@ -27,6 +36,7 @@ PANEL_MAX_ROWS = 512
 # The AVX-512 build (two-panel tiles), on an AVX-512 Xeon: even with oneDNN at 64-96 rows, 3-10% behind it
 # from 128 to 512; a prefill of 32 x 256 tokens in 512-token steps spent 9% less in its matmuls on oneDNN.
 PANEL_MAX_ROWS_AVX512 = 96
+F32 = 0  # the qtype of float panels (ggml's id for F32); block panels take their blocks' type id (BLOCKS)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -42,14 +52,40 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def pack_block_panels(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A [n, k] weight in a GGUF file's Q4_1 or Q8_0 blocks (uint8 [n, k / 32 * block bytes], a row of
+    blocks per output row) as dense_matmul.c's block panels, uint8 [ceil(n / PANEL), k / 32 * panel block
+    bytes]: per panel and block of 32 along k, the 16 columns' fp16 d (and Q4_1's m), then their quantized
+    bytes 16 at a time, column-minor. Rows past n are zero blocks (weights 0, like pack_panels' padding)."""
+    per, nbytes = BLOCKS[qtype]
+    n, row_bytes = blocks.shape
+    nb = row_bytes // nbytes
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, nb, nbytes, dtype=torch.uint8)
+    padded[:n] = blocks.reshape(n, nb, nbytes)
+    v = padded.view(panels, PANEL, nb, nbytes).transpose(1, 2)  # [panels, nb, column, block bytes]
+    scales = 4 if qtype == 3 else 2  # Q4_1: fp16 d and m; Q8_0: d
+    # fp16 d (and m) of the 16 columns, contiguous: [panels, nb, scale, column, 2 bytes]
+    head = v[..., :scales].reshape(panels, nb, PANEL, scales // 2, 2).transpose(2, 3)
+    body = v[..., scales:].transpose(2, 3)  # [panels, nb, byte of the block, column]
+    out = torch.cat((head.reshape(panels, nb, -1), body.reshape(panels, nb, -1)), dim=2)
+    return out.reshape(panels, -1).contiguous()
+
+
 class DenseKernel:
     """The built dense_matmul.c; threads as torch's."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._matmul = lib.tandem_dense_matmul
-        self._matmul.argtypes = [p, i64, i64, p, i64, i64, p, i64, ctypes.c_int]
-        self._matmul.restype = None
+        self._matmul.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, p, i64, ctypes.c_int]
+        self._matmul.restype = ctypes.c_int
+        self._unpack = lib.tandem_dense_unpack
+        self._unpack.argtypes = [p, ctypes.c_int, i64, i64, p]
+        self._unpack.restype = None
+        self._block_bytes = lib.tandem_dense_block_bytes
+        self._block_bytes.argtypes = [ctypes.c_int]
+        self._block_bytes.restype = i64
         # For the fused decode step (gguf_decode.c's kernels_t): x copied into its buffer, then columns.
         self.entries = {"quantize": address(lib, "tandem_dense_copy_x"),
                         "matmul_cols": address(lib, "tandem_dense_matmul_cols")}
@@ -64,27 +100,82 @@ class DenseKernel:
         """Bytes of the fused step's copy of m rows of k values."""
         return 4 * m * k
 
-    def matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _check(self, panels: torch.Tensor, qtype: int, k: int) -> None:
+        if qtype == F32:
+            fits = panels.dtype == torch.float32 and panels.shape[1:] == (k, PANEL)
+        else:
+            fits = (qtype in BLOCKS and panels.dtype == torch.uint8 and k % BLOCKS[qtype][0] == 0
+                    and panels.shape[1:] == (k // BLOCKS[qtype][0] * self._block_bytes(qtype),))
+        if not fits or not panels.is_contiguous():
+            raise ValueError(f"k = {k} does not fit {panels.dtype} panels {tuple(panels.shape)} of type {qtype}")
+
+    def matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int, out: torch.Tensor | None = None,
+               qtype: int = F32) -> torch.Tensor:
         """x [m, k] float32 (rows at any stride, columns contiguous) @ W.T -> [m, n], W packed by
-        `pack_panels`; into `out` (rows at any stride, columns contiguous) if given."""
+        `pack_panels` (qtype F32) or `pack_block_panels` (its blocks' type); into `out` (rows at any stride,
+        columns contiguous) if given."""
         m, k = x.shape
-        if panels.shape[1:] != (k, PANEL) or panels.shape[0] * PANEL < n or x.stride(1) != 1:
+        self._check(panels, qtype, k)
+        if panels.shape[0] * PANEL < n or x.stride(1) != 1:
             raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} of {n} columns")
         if out is None:
             out = torch.empty(m, n)
-        self._matmul(x.data_ptr(), x.stride(0), m, panels.data_ptr(), n, k, out.data_ptr(), out.stride(0),
-                     torch.get_num_threads())
+        if self._matmul(x.data_ptr(), x.stride(0), m, panels.data_ptr(), qtype, n, k, out.data_ptr(),
+                        out.stride(0), torch.get_num_threads()):
+            raise MemoryError("dense_matmul.c: no memory to unpack block panels")
+        return out
+
+    def unpack(self, panels: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        """Block panels (`pack_block_panels`) as the float panels (`pack_panels`) of the weights they hold."""
+        self._check(panels, qtype, k)
+        out = torch.empty(panels.shape[0], k, PANEL)
+        self._unpack(panels.data_ptr(), qtype, panels.shape[0], k, out.data_ptr())
         return out
 
 
-class PanelLinear:
-    """A projection's panel copy: y [rows, out] = x [rows, in] @ W.T + b on the panel kernel."""
+@dataclass(frozen=True)
+class DenseBlocks:
+    """The Q4_1/Q8_0 blocks a dense model loaded from a GGUF file was dequantized from: per layer, each fused
+    projection's parts (the checkpoint tensors in row order) where the file quantizes them, and the head's
+    (the tied embedding's when tied). The dense path keeps its decode-step panels in them (dense_matmul.py)."""
 
-    def __init__(self, weight: torch.Tensor, kernel: DenseKernel) -> None:
-        self.panels, self.out_features, self.kernel = pack_panels(weight), weight.shape[0], kernel
+    layers: list[dict[str, list[QuantizedWeight]]]
+    head: QuantizedWeight | None
+
+
+class PanelLinear:
+    """A projection's panel copy: y [rows, out] = x [rows, in] @ W.T + b on the panel kernel. Given `blocks`,
+    the GGUF blocks the weight was dequantized from (its rows in order, one part per checkpoint tensor), it
+    keeps them as block panels if they are of one type the kernel reads and unpack to `weight` bit for bit,
+    else float panels (`why_float` says why)."""
+
+    def __init__(self, weight: torch.Tensor, kernel: DenseKernel,
+                 blocks: Sequence[QuantizedWeight] | None = None) -> None:
+        self.out_features, self.kernel = weight.shape[0], kernel
+        self.qtype, self.why_float = F32, "" if blocks is None else self._why_not_blocks(weight, blocks)
+        if blocks is None or self.why_float:
+            self.panels = pack_panels(weight)
+            return
+        self.qtype = blocks[0].qtype
+        self.panels = pack_block_panels(torch.cat([b.data for b in blocks]), self.qtype)
+        # Kept only if they are the weight, bit for bit (they are unless the weight is not their dequantization).
+        same = torch.equal(kernel.unpack(self.panels, self.qtype, weight.shape[1]).view(torch.int32),
+                           pack_panels(weight).view(torch.int32))
+        if not same:
+            self.qtype, self.why_float, self.panels = F32, "its blocks do not unpack to its weight", pack_panels(weight)
+
+    @staticmethod
+    def _why_not_blocks(weight: torch.Tensor, blocks: Sequence[QuantizedWeight]) -> str:
+        types = {b.qtype for b in blocks}
+        if len(types) != 1 or not types <= BLOCKS.keys():
+            return f"its parts are of ggml types {sorted(types)}, not all Q4_1 or all Q8_0"
+        if sum(b.data.shape[0] for b in blocks) != weight.shape[0] or any(b.cols != weight.shape[1] for b in blocks):
+            return f"its blocks are not a {tuple(weight.shape)} weight"
+        return ""
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.kernel.matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels, self.out_features)
+        y = self.kernel.matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels, self.out_features,
+                               qtype=self.qtype)
         return y if bias is None else y.add_(bias)
 
 

@@ -21,6 +21,8 @@ the attention kernel reads it in place.
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +33,12 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
-from tandem_engine.models.dense_matmul import DenseKernel, load_dense_kernel
+from tandem_engine.models.dense_matmul import F32, DenseKernel, load_dense_kernel
 from tandem_engine.models.gguf_linear import GGUFLinear
+from tandem_engine.models.gguf_quantized import dense_blocks
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 _SRC = (Path(__file__).parent / "gguf_decode.c").read_text()
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")  # in gguf_decode.c's layer_t order
@@ -110,12 +115,26 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
 
 
 def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
-    """The step's matmuls over float32 panel copies of `model`'s projections (made here, once: use_panels)."""
-    model.use_panels(kernel)
+    """The step's matmuls over panel copies of `model`'s projections (made here, once: use_panels), kept in
+    the GGUF blocks the weights were dequantized from where `model` came from a GGUF file (the same floats)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    return StepMatmuls("float32 panel matmuls", kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
-                       [{name: ([(p.panels, p.out_features, 0)], p.out_features) for name, p in layer.panels.items()}
-                        for layer in layers])
+    if model.gguf_file is not None and not layers[0].panels:  # read the file once, not per ModelRunner
+        model.use_panels(kernel, dense_blocks(model.gguf_file, len(model.layers), model.tie_word_embeddings))
+    else:
+        model.use_panels(kernel)
+    panels = [p for layer in layers for p in layer.panels.values()]
+    if model.panel_head is not None:
+        panels.append(model.panel_head)
+    kinds = Counter(_PANEL_TYPES.get(p.qtype, str(p.qtype)) for p in panels)
+    for why in sorted({p.why_float for p in panels if p.why_float}):
+        logger.warning("float32 panels for a projection whose GGUF blocks the kernel cannot keep: %s", why)
+    kind = "float32 panel matmuls, weights in " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + " panels"
+    return StepMatmuls(kind, kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
+                       [{name: ([(p.panels, p.out_features, p.qtype)], p.out_features)
+                         for name, p in layer.panels.items()} for layer in layers])
+
+
+_PANEL_TYPES = {F32: "float32", 3: "Q4_1", 8: "Q8_0"}  # names of dense_matmul.c's panel types
 
 
 # Dense steps of any size run fused (the panel kernel is ahead of oneDNN from one row to hundreds).

@@ -17,6 +17,7 @@ from typing import cast
 
 import torch
 
+from tandem_engine.models.dense_matmul import DenseBlocks
 from tandem_engine.models.gguf_linear import (
     DENSE_FROM_ROWS,
     HEAD_DENSE_FROM_ROWS,
@@ -53,6 +54,20 @@ def _quantize_layer(layer: DecoderLayer, index: int, quantized: dict[str, GGUFTe
                              f"tensors ({', '.join(t.gguf_name for t in found if t is not None)} quantized)")
         parts = [_weight(cast(GGUFTensor, t)) for t in found]
         layer.set_quantized(proj, GGUFLinear(parts, layer.projections()[proj][1], kernel))
+
+
+def dense_blocks(path: Path, num_layers: int, tied: bool) -> DenseBlocks:
+    """The blocks of GGUF file `path` behind a dense model of `num_layers` layers; a projection any of whose
+    tensors is not Q4_1 or Q8_0 has none (it keeps float panels)."""
+    quantized = {t.name: t for t in read_gguf_tensors(path, only_blocks=True) if t.qtype in KERNEL_TYPES}
+    layers = []
+    for index in range(num_layers):
+        found = {proj: [quantized.get(f"model.layers.{index}.{m}.weight") for m in members]
+                 for proj, members in _FUSED.items()}
+        layers.append({proj: [_weight(t) for t in ts if t is not None] for proj, ts in found.items()
+                       if all(t is not None for t in ts)})
+    head = quantized.get("lm_head.weight") or (quantized.get("model.embed_tokens.weight") if tied else None)
+    return DenseBlocks(layers, None if head is None else _weight(head))
 
 
 def load_gguf_quantized(model: LlamaForCausalLM, path: Path, cache_dir: Path) -> None:

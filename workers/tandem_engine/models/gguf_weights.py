@@ -45,15 +45,18 @@ def type_error(file: Path | GGUFFile, label: str) -> str | None:
             f"tensor(s) of other types: {', '.join(bad[:4])}")
 
 
-def read_gguf_tensors(path: Path) -> list[GGUFTensor]:
-    """Every tensor the model loads, in file order; ValueError naming a tensor of an unsupported type."""
+def read_gguf_tensors(path: Path, only_blocks: bool = False) -> list[GGUFTensor]:
+    """Every tensor the model loads, in file order; ValueError naming a tensor of an unsupported type. With
+    `only_blocks`, only the Q4_1 and Q8_0 tensors, whatever else the file holds."""
     f = GGUFFile(path)
-    error = type_error(f, path.name)
+    error = None if only_blocks else type_error(f, path.name)
     if error:
         raise ValueError(error)
     names = f.stored_types()
     out = []
     for name in f.tensor_names():
+        if only_blocks and names[name][1].value not in KERNEL_TYPES:
+            continue
         raw = f.raw(name)
         qtype = raw.qtype.value
         if qtype in KERNEL_TYPES:

@@ -14,6 +14,7 @@ import platform
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
@@ -24,7 +25,8 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
-from tandem_engine.models.dense_matmul import DenseKernel, PanelLinear
+from tandem_engine.models.dense_matmul import DenseBlocks, DenseKernel, PanelLinear
+from tandem_engine.models.gguf_linear import QuantizedWeight
 from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
 
@@ -166,15 +168,16 @@ class DecoderLayer(nn.Module):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.packed.pop(name, None)
 
-    def use_panels(self, kernel: DenseKernel) -> None:
-        """Make the panel copies of the dense projections. Matmuls of up to `kernel.max_rows` rows then run
-        on them (faster than F.linear and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a
-        projection that has both frees its plain weight (its shape becomes [0]). Projections that have their
-        panels already keep them (a second ModelRunner over the same loaded model)."""
+    def use_panels(self, kernel: DenseKernel, blocks: dict[str, list[QuantizedWeight]] | None = None) -> None:
+        """Make the panel copies of the dense projections, from `blocks` where it has a projection's GGUF
+        blocks (PanelLinear). Matmuls of up to `kernel.max_rows` rows then run on them (faster than F.linear
+        and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a projection that has both frees
+        its plain weight (its shape becomes [0]). Projections that have their panels already keep them (a
+        second ModelRunner over the same loaded model)."""
         for name, (weight, _) in self.projections().items():
             if name in self.quantized or name in self.panels:
                 continue
-            self.panels[name] = PanelLinear(weight, kernel)
+            self.panels[name] = PanelLinear(weight, kernel, (blocks or {}).get(name))
             if self.packed.get(name) is not None:
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
@@ -291,6 +294,9 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.quantized_head: QuantizedLinear | None = None
         self.decode_step: DecodeStep | None = None  # runs the decode steps it takes (models/gguf_decode.py)
+        # The GGUF file the dense weights were dequantized from (load_model), whose blocks the decode step's
+        # panels keep (use_panels); None for a safetensors checkpoint.
+        self.gguf_file: Path | None = None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
@@ -343,16 +349,18 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
         return linear(hidden, w, None, self.packed_lm_head).float()
 
-    def use_panels(self, kernel: DenseKernel) -> None:
+    def use_panels(self, kernel: DenseKernel, blocks: DenseBlocks | None = None) -> None:
         """Run the dense projections' matmuls of up to `kernel.max_rows` rows, and the head's of any, on float32
         panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
-        are freed (their shape becomes [0]). Copies made already are kept."""
-        for layer in self.layers:
-            cast(DecoderLayer, layer).use_panels(kernel)
+        are freed (their shape becomes [0]). Copies made already are kept. `blocks`: the GGUF blocks the
+        weights were dequantized from, which the panels keep instead where they can (PanelLinear)."""
+        for i, layer in enumerate(self.layers):
+            cast(DecoderLayer, layer).use_panels(kernel, None if blocks is None else blocks.layers[i])
         if self.quantized_head is None and self.dtype == torch.float32 and self.panel_head is None:
             tied = self.tie_word_embeddings and self.embed_tokens.numel() > 0
-            self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel)
+            head_blocks = None if blocks is None or blocks.head is None else [blocks.head]
+            self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel, head_blocks)
             self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
             self.packed_lm_head = None
 

@@ -299,6 +299,8 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         load_gguf_quantized(model, src.path, src.cache_dir)
     else:
         model.load_weights(iter_safetensors(d))
+        if src.kind == "gguf":
+            model.gguf_file = src.path
         tq = time.perf_counter()
         model.quantize(quantization, torch.device(device))
     model.eval()
