@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from harness import MODEL, bench_main, describe
@@ -44,6 +44,7 @@ from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import llama
 from tandem_engine.models.dense_matmul import load_dense_kernel
 from tandem_engine.models.gguf_decode import PHASES, FusedDecodeStep
+from tandem_engine.models.llama import DecoderLayer
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
@@ -231,16 +232,21 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                            "variants": {name: breakdown(timers, name, ts) for name, ts in times.items()}}
     kv_bytes = res["variants"]["fused"]["kv_bytes_per_step"]
     res["kv_copy_gb_s"] = copy_rate(core, kv_bytes)
+    # The bytes of the weights a step reads: its panels (float32, or the GGUF file's blocks: dense_matmul.py)
+    # where the model has them.
+    panels_bytes = sum(p.panels.nbytes for layer in model.layers for p in cast(DecoderLayer, layer).panels.values())
+    if panels_bytes and model.panel_head is not None:
+        panels_bytes += model.panel_head.panels.nbytes
     core.shutdown()
     cfg, _, _ = load_config_and_tokenizer(resolve_model(a.model))
     gflop = a.batch * flops_per_token(cfg)[1] / 1e9
     panels = load_dense_kernel(Path(tempfile.gettempdir()) / "tandem-roofline")
     best = max(rate(cfg, a.batch, torch.float32, head=True), rate(cfg, a.batch, torch.float32, True, True),
                rate(cfg, a.batch, torch.float32, True, panels=panels) if panels else 0.0)
-    # Every float32 projection weight and the LM head are read once per step (the roofline's rates
-    # re-read one layer from cache), and the attention reads every sequence's K and V.
+    # Every projection weight and the LM head are read once per step (the roofline's rates re-read one
+    # layer from cache), and the attention reads every sequence's K and V.
     layer, head, n_layers = shapes(cfg)
-    weight_bytes = 4 * (n_layers * sum(o * k for o, k in layer) + head[0] * head[1])
+    weight_bytes = panels_bytes or 4 * (n_layers * sum(o * k for o, k in layer) + head[0] * head[1])
     stream = read_rate()
     res["ceiling"] = {"gflop_per_step": gflop, "matmul_gflop_s_at_batch": best,
                       "step_floor_ms": gflop / best * 1e3, "weight_bytes_per_step": weight_bytes,
