@@ -17,8 +17,6 @@
  * at 32, 1.07x at 128, 1.02x at 256, 0.97x at 512 and 1.4x at 1-4 rows. */
 #include <omp.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -118,12 +116,12 @@ static void unpack_block(const uint8_t *src, int qtype, float *out) {
 #endif
 }
 
-/* The CHUNK steps in k from k0 (kn of them, whole blocks) of np adjacent block panels from bp (each of k) as
- * floats, out [np][CHUNK][NR]; each block's bytes `ahead` bytes further on are requested into L2 on the way
- * (unless ahead is 0). */
-#define CHUNK 64
+/* The kn steps in k from k0 (whole blocks) of np adjacent block panels from bp (each of k) as floats, out
+ * [np][stride][NR]; each block's bytes `ahead` bytes further on are requested into L2 on the way (unless ahead
+ * is 0). */
+#define CHUNK 64 /* steps in k unpacked at a time: two panels' are 8 KB, which stay in L1 */
 static inline void unpack_chunk(const uint8_t *bp, int qtype, int np, int64_t k, int64_t k0, int64_t kn, float *out,
-                                int64_t ahead) {
+                                int64_t stride, int64_t ahead) {
     const int64_t bb = tandem_dense_block_bytes(qtype), panel = k / QK * bb;
     for (int j = 0; j < np; j++)
         for (int64_t i = 0; i < kn; i += QK) {
@@ -134,7 +132,7 @@ static inline void unpack_chunk(const uint8_t *bp, int qtype, int np, int64_t k,
 #else
             (void)ahead;
 #endif
-            unpack_block(blk, qtype, out + (j * CHUNK + i) * NR);
+            unpack_block(blk, qtype, out + (j * stride + i) * NR);
         }
 }
 
@@ -143,12 +141,14 @@ static inline void unpack_chunk(const uint8_t *bp, int qtype, int np, int64_t k,
  * a buffer that stays in L1 (requesting their bytes `ahead` further on: unpack_chunk); columns [lo, hi) of
  * the np * NR go to y[r * ldy + c] (y points at the first panel's first column). Unless pf is NULL, every
  * pf_every-th step in k also requests a cache line into L2, one after the other from pf (and as many from
- * pf + k * NR in the AVX-512 build's second panel). mr and np are constants in each copy (tile_rows). The
- * floats are the same whichever panels hold the weights, and however k is cut into chunks. */
+ * pf + k * NR in the AVX-512 build's second panel). The sums start from zero, or with acc_in from what y
+ * holds (a tile's earlier steps in k, stored there by a call over them). mr and np are constants in each copy
+ * (tile_rows). The floats are the same whichever panels hold the weights, and however k is cut into chunks
+ * or calls. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *wp,
                                                        const uint8_t *bp, int qtype, int64_t ahead, int64_t k,
                                                        float *y, int64_t ldy, const int mr, const int np, int lo,
-                                                       int hi, const float *pf, const int pf_every) {
+                                                       int hi, const float *pf, const int pf_every, int acc_in) {
     int pf_count = 0;
     _Alignas(64) float chunk[2 * CHUNK * NR];
     const int64_t kc = bp ? CHUNK : k; /* steps in k per pass */
@@ -157,13 +157,22 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         const int64_t kn = k - k0 < kc ? k - k0 : kc;                                    \
         const float *w0 = chunk, *w1 = chunk + CHUNK * NR;                               \
         if (bp)                                                                          \
-            unpack_chunk(bp, qtype, np, k, k0, kn, chunk, ahead);                        \
+            unpack_chunk(bp, qtype, np, k, k0, kn, chunk, CHUNK, ahead);                 \
         else                                                                             \
             w0 = wp + k0 * NR, w1 = wp + (k + k0) * NR;                                  \
         const float *xk = x + k0;
 #if VECTOR == 512
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define DECLARE(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();
+    /* lanes [lo, hi) of the first panel and of the second */
+    const int l1 = lo > NR ? lo - NR : 0, h0 = hi < NR ? hi : NR;
+    const __mmask16 keep0 = lo < h0 ? (__mmask16)(((1u << (h0 - lo)) - 1u) << lo) : 0;
+    const __mmask16 keep1 = hi > NR ? (__mmask16)(((1u << (hi - NR - l1)) - 1u) << l1) : 0;
+#define DECLARE(r)                                                                   \
+    __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps();             \
+    if (acc_in && mr > r) {                                                          \
+        c##r##0 = _mm512_maskz_loadu_ps(keep0, y + r * ldy);                         \
+        if (np == 2) c##r##1 = _mm512_maskz_loadu_ps(keep1, y + r * ldy + NR);       \
+    }
     ROWS(DECLARE)
     CHUNK_START
     for (int64_t i = 0; i < kn; i++) {
@@ -183,10 +192,6 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         ROWS(FMA)
     }
     }
-    /* lanes [lo, hi) of the first panel and of the second */
-    const int l1 = lo > NR ? lo - NR : 0, h0 = hi < NR ? hi : NR;
-    const __mmask16 keep0 = lo < h0 ? (__mmask16)(((1u << (h0 - lo)) - 1u) << lo) : 0;
-    const __mmask16 keep1 = hi > NR ? (__mmask16)(((1u << (hi - NR - l1)) - 1u) << l1) : 0;
 #define STORE(r)                                                      \
     if (mr > r) {                                                     \
         _mm512_mask_storeu_ps(y + r * ldy, keep0, c##r##0);           \
@@ -196,7 +201,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 #elif VECTOR == 256
     (void)np;
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define DECLARE(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
+#define DECLARE(r)                                                                   \
+    __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();             \
+    if (acc_in && mr > r) {                                                          \
+        float t[NR] = {0};                                                           \
+        memcpy(t + lo, y + r * ldy + lo, sizeof(float) * (size_t)(hi - lo));         \
+        c##r##0 = _mm256_loadu_ps(t), c##r##1 = _mm256_loadu_ps(t + 8);              \
+    }
     ROWS(DECLARE)
     CHUNK_START
     (void)w1;
@@ -238,6 +249,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     (void)pf_every;
     (void)pf_count;
     float acc[MR][NR] = {{0}};
+    for (int r = 0; acc_in && r < mr; r++)
+        for (int c = lo; c < hi; c++) acc[r][c] = y[r * ldy + c];
     CHUNK_START
     (void)w1;
     for (int r = 0; r < mr; r++)
@@ -252,15 +265,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 
 #if VECTOR == 512
 #define PANELS 2 /* panels a tile reads: 24 sums, two panel loads and a broadcast (of 32 registers) */
-#define TILE(mr) np == 2 ? tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 2, lo, hi, pf, pf_every) \
-                         : tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
+#define TILE(mr) np == 2 ? tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 2, lo, hi, pf, pf_every, acc_in) \
+                         : tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every, acc_in)
 #else
 #define PANELS 1
-#define TILE(mr) tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every)
+#define TILE(mr) tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every, acc_in)
 #endif
 
 static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_t *bp, int qtype, int64_t ahead,
-                      int64_t k, float *y, int64_t ldy, int mr, int np, int lo, int hi, const float *pf, int pf_every) {
+                      int64_t k, float *y, int64_t ldy, int mr, int np, int lo, int hi, const float *pf, int pf_every,
+                      int acc_in) {
     (void)np;
     switch (mr) {
 #if MR > 6
@@ -280,36 +294,6 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_
     }
 }
 
-/* np adjacent panels from panel p of block panels w, [np][k][NR] floats into buf; requests the next np panels'
- * bytes into L2 on the way (a pair of panels is 11.5 KB at k = 576, read once per step from memory). */
-static void unpack_panels(const uint8_t *w, int qtype, int64_t p, int np, int64_t k, float *buf, int prefetch) {
-    const int64_t nb = k / QK, bb = tandem_dense_block_bytes(qtype), panel = nb * bb;
-    const uint8_t *src = w + p * panel;
-    for (int j = 0; j < np; j++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + j * panel + b * bb;
-#if VECTOR
-            if (prefetch)
-                for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk + np * panel + l), _MM_HINT_T1);
-#else
-            (void)prefetch;
-#endif
-            unpack_block(blk, qtype, buf + (j * k + b * QK) * NR);
-        }
-}
-
-/* The calling thread's buffer of at least `floats` floats (kept for its next calls). */
-static float *thread_buffer(int64_t floats) {
-    static __thread float *buf;
-    static __thread int64_t size;
-    if (size < floats) {
-        free(buf);
-        buf = aligned_alloc(64, (size_t)floats * sizeof(float));
-        size = buf ? floats : 0;
-    }
-    return buf;
-}
-
 /* Output columns [c0, c1) of y [m, ldy] for the m rows of x (row stride ldx), PANELS panels at a time (they
  * are read from memory once, then from cache for their other row tiles).
  * Prefetch, measured on SmolLM2's projections and head with the weights streamed from memory: with several
@@ -321,44 +305,58 @@ static float *thread_buffer(int64_t floats) {
  * GFLOP/s, with runs of tiles below, and 1.07-1.16x at 16-96 rows.) With a single tile, requesting the next
  * panel doubled the stream (0.6-0.98x at 1 row), so a lone tile of 2 to MR rows requests its panels PF_AHEAD
  * floats (2 KB) ahead instead (1.15-1.21x at 4), and a single row nothing (in the engine, one stream ran
- * 0.94x with the 2 KB prefetch). Block panels are unpacked a pair at a time (unpack_panels, which requests
- * the next pair's bytes), and their tiles read the unpacked floats from cache. Returns -1 (nothing written)
- * if the thread's unpacking buffer cannot be allocated. */
+ * 0.94x with the 2 KB prefetch). Block panels are unpacked CHUNK steps in k at a time into a buffer that
+ * stays in L1, requesting the next pair of panels' bytes on the way: a lone tile unpacks its own chunks; with
+ * several, each chunk is unpacked once and every tile takes its steps over it, keeping its sums in y between
+ * chunks (the same chain of fused multiply-adds, stored and reloaded exactly). Against unpacking a whole
+ * pair of panels into a buffer of the thread's (L2) for the tiles to read, 2 threads of the AVX-512 Xeon:
+ * see docs/architecture.md, "Panels kept in the file's blocks". */
 #define PF_AHEAD 512
 #ifndef PF_PAIRS
 #define PF_PAIRS 1 /* block panels: a lone tile requests the bytes of the pair of panels this many pairs on (1-4 within 6% at 1 row; 1 the best) */
 #endif
-static int cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t k, int64_t c0, int64_t c1,
-                float *y, int64_t ldy) {
-    if (m <= 0) return 0; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
+static void cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t k, int64_t c0, int64_t c1,
+                 float *y, int64_t ldy) {
+    if (m <= 0) return; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
     const int64_t tiles = (m + MR - 1) / MR, lines = (k + tiles - 1) / tiles; /* of each next panel, per tile */
     const int blocks = qtype != F32;
     const int64_t panel_bytes = k / QK * tandem_dense_block_bytes(qtype);
-    float *buf = blocks && m > MR ? thread_buffer(PANELS * k * NR) : NULL; /* several tiles: unpacked once */
-    if (blocks && m > MR && !buf) return -1;
     for (int64_t p = c0 / NR, np; p * NR < c1; p += np) {
         np = PANELS == 2 && (p + 1) * NR < c1 ? 2 : 1;
         const int lo = (int)(c0 > p * NR ? c0 - p * NR : 0), hi = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
-        const uint8_t *bp = blocks ? (const uint8_t *)w + p * panel_bytes : NULL;
-        const float *panel = blocks ? buf : (const float *)w + p * k * NR;
-        if (buf) {
-            unpack_panels(w, qtype, p, (int)np, k, buf, (p + 2 * np) * NR <= c1);
-            bp = NULL;
+        if (!blocks) {
+            const float *panel = (const float *)w + p * k * NR;
+            for (int64_t r = 0; r < m; r += MR)
+                tile_rows(x + r * ldx, ldx, panel, NULL, F32, 0, k, y + r * ldy + p * NR, ldy,
+                          (int)(m - r < MR ? m - r : MR), (int)np, lo, hi,
+                          m == 1 ? NULL : m <= MR ? panel + PF_AHEAD : panel + (np * k + r / MR * lines) * NR,
+                          m <= MR ? 1 : (int)tiles, 0);
+            continue;
         }
-        const int64_t ahead = bp && (p + (PF_PAIRS + 1) * np) * NR <= c1 ? PF_PAIRS * np * panel_bytes : 0;
-        for (int64_t r = 0; r < m; r += MR)
-            tile_rows(x + r * ldx, ldx, panel, bp, qtype, ahead, k, y + r * ldy + p * NR, ldy,
-                      (int)(m - r < MR ? m - r : MR), (int)np, lo, hi,
-                      m == 1 || blocks ? NULL : m <= MR ? panel + PF_AHEAD : panel + (np * k + r / MR * lines) * NR,
-                      m <= MR ? 1 : (int)tiles);
+        const uint8_t *bp = (const uint8_t *)w + p * panel_bytes;
+        if (m <= MR) { /* one tile: it unpacks its chunks itself, its sums staying in registers */
+            const int64_t ahead = (p + (PF_PAIRS + 1) * np) * NR <= c1 ? PF_PAIRS * np * panel_bytes : 0;
+            tile_rows(x, ldx, NULL, bp, qtype, ahead, k, y + p * NR, ldy, (int)m, (int)np, lo, hi, NULL, 1, 0);
+            continue;
+        }
+        /* several tiles: each chunk unpacked once, then every tile's steps over it, its sums kept in y between */
+        _Alignas(64) float chunk[2 * CHUNK * NR];
+        const int64_t ahead = (p + 2 * np) * NR <= c1 ? np * panel_bytes : 0;
+        for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
+            const int64_t kn = k - k0 < CHUNK ? k - k0 : CHUNK;
+            unpack_chunk(bp, qtype, (int)np, k, k0, kn, chunk, kn, ahead);
+            for (int64_t r = 0; r < m; r += MR)
+                tile_rows(x + r * ldx + k0, ldx, chunk, NULL, F32, 0, kn, y + r * ldy + p * NR, ldy,
+                          (int)(m - r < MR ? m - r : MR), (int)np, lo, hi, NULL, 1, k0 > 0);
+        }
     }
-    return 0;
 }
 
 /* Block panels as float panels: `panels` panels of k from w into out [panels][k][NR] (for the engine's check
  * that they are the float weights, and the tests). */
 void tandem_dense_unpack(const uint8_t *w, int qtype, int64_t panels, int64_t k, float *out) {
-    for (int64_t p = 0; p < panels; p++) unpack_panels(w, qtype, p, 1, k, out + p * k * NR, 0);
+    for (int64_t p = 0; p < panels; p++) unpack_chunk(w + p * (k / QK) * tandem_dense_block_bytes(qtype), qtype, 1, k, 0, k,
+                                                      out + p * k * NR, k, 0);
 }
 
 /* Output columns a tile covers: runs of columns starting on multiples of this take whole tiles. */
@@ -378,11 +376,7 @@ void tandem_dense_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int6
 
 void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
                               float *y, int64_t ldy) {
-    if (cols((const float *)buf, k, m, w, qtype, k, i0, i1, y, ldy)) {
-        /* the step cannot go on without these columns, and has no way to report: out of memory, say so */
-        fputs("tandem dense_matmul.c: no memory to unpack block panels\n", stderr);
-        abort();
-    }
+    cols((const float *)buf, k, m, w, qtype, k, i0, i1, y, ldy);
 }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ the panels of w: a whole matmul over `threads`
@@ -394,15 +388,14 @@ void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int 
  * (gguf_decode.c, take_near). */
 #define RUNS_PER_THREAD 8
 #define MAX_SHARES 64
-int tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t n, int64_t k,
-                        float *y, int64_t ldy, int threads) {
-    if (m <= 0 || n <= 0) return 0;
+void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t n, int64_t k,
+                         float *y, int64_t ldy, int threads) {
+    if (m <= 0 || n <= 0) return;
     if (threads > MAX_SHARES) threads = MAX_SHARES;
     if (threads < 1) threads = 1;
     const int64_t tiles = (n + PANELS * NR - 1) / (PANELS * NR), spread = (int64_t)threads * RUNS_PER_THREAD;
     const int64_t run = (tiles + spread - 1) / spread * PANELS * NR, runs = (n + run - 1) / run;
     struct { _Alignas(64) int64_t n; } taken[MAX_SHARES] = {{0}};
-    int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -411,9 +404,8 @@ int tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const void *w, i
             const int64_t first = runs * v / nt, count = runs * (v + 1) / nt - first;
             for (int64_t j; (j = __atomic_fetch_add(&taken[v].n, 1, __ATOMIC_RELAXED)) < count;) {
                 const int64_t c0 = (first + j) * run;
-                if (cols(x, ldx, m, w, qtype, k, c0, c0 + run < n ? c0 + run : n, y, ldy)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+                cols(x, ldx, m, w, qtype, k, c0, c0 + run < n ? c0 + run : n, y, ldy);
             }
         }
     }
-    return failed ? -1 : 0;
 }

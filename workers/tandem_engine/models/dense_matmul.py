@@ -79,7 +79,7 @@ class DenseKernel:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._matmul = lib.tandem_dense_matmul
         self._matmul.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, p, i64, ctypes.c_int]
-        self._matmul.restype = ctypes.c_int
+        self._matmul.restype = None
         self._unpack = lib.tandem_dense_unpack
         self._unpack.argtypes = [p, ctypes.c_int, i64, i64, p]
         self._unpack.restype = None
@@ -120,9 +120,8 @@ class DenseKernel:
             raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} of {n} columns")
         if out is None:
             out = torch.empty(m, n)
-        if self._matmul(x.data_ptr(), x.stride(0), m, panels.data_ptr(), qtype, n, k, out.data_ptr(),
-                        out.stride(0), torch.get_num_threads()):
-            raise MemoryError("dense_matmul.c: no memory to unpack block panels")
+        self._matmul(x.data_ptr(), x.stride(0), m, panels.data_ptr(), qtype, n, k, out.data_ptr(), out.stride(0),
+                     torch.get_num_threads())
         return out
 
     def unpack(self, panels: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
