@@ -37,6 +37,7 @@ PANEL_MAX_ROWS = 512
 # from 128 to 512; a prefill of 32 x 256 tokens in 512-token steps spent 9% less in its matmuls on oneDNN.
 PANEL_MAX_ROWS_AVX512 = 96
 F32 = 0  # the qtype of float panels (ggml's id for F32); block panels take their blocks' type id (BLOCKS)
+Q4_1 = 3  # ggml's id
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -57,14 +58,14 @@ def pack_block_panels(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     blocks per output row) as dense_matmul.c's block panels, uint8 [ceil(n / PANEL), k / 32 * panel block
     bytes]: per panel and block of 32 along k, the 16 columns' fp16 d (and Q4_1's m), then their quantized
     bytes 16 at a time, column-minor. Rows past n are zero blocks (weights 0, like pack_panels' padding)."""
-    per, nbytes = BLOCKS[qtype]
+    nbytes = BLOCKS[qtype][1]
     n, row_bytes = blocks.shape
     nb = row_bytes // nbytes
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, nb, nbytes, dtype=torch.uint8)
     padded[:n] = blocks.reshape(n, nb, nbytes)
     v = padded.view(panels, PANEL, nb, nbytes).transpose(1, 2)  # [panels, nb, column, block bytes]
-    scales = 4 if qtype == 3 else 2  # Q4_1: fp16 d and m; Q8_0: d
+    scales = 4 if qtype == Q4_1 else 2  # bytes of fp16 scales a block starts with: Q4_1's d and m, Q8_0's d
     # fp16 d (and m) of the 16 columns, contiguous: [panels, nb, scale, column, 2 bytes]
     head = v[..., :scales].reshape(panels, nb, PANEL, scales // 2, 2).transpose(2, 3)
     body = v[..., scales:].transpose(2, 3)  # [panels, nb, byte of the block, column]

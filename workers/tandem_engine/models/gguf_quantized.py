@@ -59,7 +59,7 @@ def _quantize_layer(layer: DecoderLayer, index: int, quantized: dict[str, GGUFTe
 def dense_blocks(path: Path, num_layers: int, tied: bool) -> DenseBlocks:
     """The blocks of GGUF file `path` behind a dense model of `num_layers` layers; a projection any of whose
     tensors is not Q4_1 or Q8_0 has none (it keeps float panels)."""
-    quantized = {t.name: t for t in read_gguf_tensors(path, only_blocks=True) if t.qtype in KERNEL_TYPES}
+    quantized = {t.name: t for t in read_gguf_tensors(path, only_blocks=True)}
     layers = []
     for index in range(num_layers):
         found = {proj: [quantized.get(f"model.layers.{index}.{m}.weight") for m in members]
