@@ -101,19 +101,19 @@ def test_block_panels_unpack_to_the_files_dequantization(kernel: DenseKernel, qt
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_block_panels_compute_the_float_panels_floats(kernel: DenseKernel, qtype: int, threads: int) -> None:
-    """Every row count that takes a different path (one row; a lone tile unpacking k in chunks; several
-    tiles over a pair of panels unpacked once; none), k past one chunk and not a multiple of it, columns
-    past the last whole panel: the same floats as the float panels."""
+    """Every row count that takes a different path (none; one row; a lone tile unpacking k in chunks of 64;
+    several tiles sharing chunks of 128, or of 256 past 4 tiles' rows), k past one chunk of each and not a
+    multiple of it, columns past the last whole panel: the same floats as the float panels."""
     g = torch.Generator().manual_seed(threads)
-    w, ref = random_weight(75, 224, qtype, seed=threads)
+    w, ref = random_weight(75, 320, qtype, seed=threads)
     blocks, floats = pack_block_panels(w.data, int(qtype)), pack_panels(ref)
     with torch_threads(threads):
-        for m in (0, 1, 2, 5, 12, 13, 25, 32):
-            x = torch.randn(m, 224, generator=g)
+        for m in (0, 1, 2, 5, 12, 13, 25, 32, 50, 61):
+            x = torch.randn(m, 320, generator=g)
             got = kernel.matmul(x, blocks, 75, qtype=int(qtype))
             assert torch.equal(got, kernel.matmul(x, floats, 75)), m
     with pytest.raises(ValueError, match="does not fit"):
-        kernel.matmul(torch.randn(2, 224), blocks, 75)  # block panels called float ones
+        kernel.matmul(torch.randn(2, 320), blocks, 75)  # block panels called float ones
 
 
 def test_a_panel_linear_keeps_blocks_only_when_they_are_its_weight(kernel: DenseKernel) -> None:
@@ -186,9 +186,9 @@ def test_every_build_computes_the_same_floats(kernel: DenseKernel, march: str, t
     want = kernel.matmul(x, panels, 37)  # tiles of every size of the vector builds: 6 or 12 rows, 7, 1
     assert torch.equal(other.matmul(x, panels, 37), want)
     assert torch.equal(other.matmul(x[:5], panels, 37), want[:5])
-    xb = torch.randn(31, 192, generator=g)
+    xb = torch.randn(31, 320, generator=g)  # 31 rows: chunks of 256 and 64 on AVX2, of 128 on AVX-512
     for qtype in (Q4_1, Q8_0):  # block panels, unpacked by each build's own code (the portable one's scalar)
-        qw, ref = random_weight(37, 192, qtype, 4)
+        qw, ref = random_weight(37, 320, qtype, 4)
         bp, want = pack_block_panels(qw.data, int(qtype)), kernel.matmul(xb, pack_panels(ref), 37)
         assert torch.equal(other.matmul(xb, bp, 37, qtype=int(qtype)), want)
         assert torch.equal(other.matmul(xb[:5], bp, 37, qtype=int(qtype)), want[:5])

@@ -204,9 +204,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 #define DECLARE(r)                                                                   \
     __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();             \
     if (acc_in && mr > r) {                                                          \
-        float t[NR] = {0};                                                           \
-        memcpy(t + lo, y + r * ldy + lo, sizeof(float) * (size_t)(hi - lo));         \
-        c##r##0 = _mm256_loadu_ps(t), c##r##1 = _mm256_loadu_ps(t + 8);              \
+        if (lo == 0 && hi == NR) {                                                   \
+            c##r##0 = _mm256_loadu_ps(y + r * ldy), c##r##1 = _mm256_loadu_ps(y + r * ldy + 8); \
+        } else {                                                                     \
+            float t[NR] = {0};                                                       \
+            memcpy(t + lo, y + r * ldy + lo, sizeof(float) * (size_t)(hi - lo));     \
+            c##r##0 = _mm256_loadu_ps(t), c##r##1 = _mm256_loadu_ps(t + 8);          \
+        }                                                                            \
     }
     ROWS(DECLARE)
     CHUNK_START
@@ -312,6 +316,16 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_
  * pair of panels into a buffer of the thread's (L2) for the tiles to read, 2 threads of the AVX-512 Xeon:
  * see docs/architecture.md, "Panels kept in the file's blocks". */
 #define PF_AHEAD 512
+/* Steps in k of a chunk that several tiles share (a lone tile's: CHUNK): every tile reloads and stores its
+ * sums once per chunk, so longer chunks pay that less often, while two panels of 256 steps (32 KB) still stay
+ * in L1 beside the tiles' rows of x. Half of it up to 4 * MR rows (measured: SmolLM2's projections in Q4_1 on
+ * 2 threads of the AVX-512 Xeon, in turn; in cache, 512 rows: 64 steps 58.4 ms, 128 54.3, 256 51.1, float
+ * panels 50.3; the AVX2 build 96.9, 85.0, 77.3 and 75.0; at 128 rows 256 steps 1.10-1.12x float panels;
+ * streamed from memory, 13-16 rows: 64 and 128 steps even, 256 3% behind; 32-64 rows: 128 and 256 even,
+ * 64 3-5% behind). */
+#ifndef TILES_CHUNK
+#define TILES_CHUNK 256
+#endif
 #ifndef PF_PAIRS
 #define PF_PAIRS 1 /* block panels: a lone tile requests the bytes of the pair of panels this many pairs on (1-4 within 6% at 1 row; 1 the best) */
 #endif
@@ -340,10 +354,11 @@ static void cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtyp
             continue;
         }
         /* several tiles: each chunk unpacked once, then every tile's steps over it, its sums kept in y between */
-        _Alignas(64) float chunk[2 * CHUNK * NR];
+        _Alignas(64) float chunk[2 * TILES_CHUNK * NR];
         const int64_t ahead = (p + 2 * np) * NR <= c1 ? np * panel_bytes : 0;
-        for (int64_t k0 = 0; k0 < k; k0 += CHUNK) {
-            const int64_t kn = k - k0 < CHUNK ? k - k0 : CHUNK;
+        const int64_t kc = m > 4 * MR ? TILES_CHUNK : TILES_CHUNK / 2;
+        for (int64_t k0 = 0; k0 < k; k0 += kc) {
+            const int64_t kn = k - k0 < kc ? k - k0 : kc;
             unpack_chunk(bp, qtype, (int)np, k, k0, kn, chunk, kn, ahead);
             for (int64_t r = 0; r < m; r += MR)
                 tile_rows(x + r * ldx + k0, ldx, chunk, NULL, F32, 0, kn, y + r * ldy + p * NR, ldy,
