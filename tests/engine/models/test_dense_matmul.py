@@ -159,14 +159,16 @@ def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: DenseKernel) 
         for c0, c1 in runs:
             cols(buf.data_ptr(), m, panels.data_ptr(), 0, k, c0, c1, out.data_ptr(), n)
         assert torch.equal(out, whole)
-    # block panels of the same ranges (x's rows: one tile here, and several)
-    w8, ref = random_weight(n, k, Q8_0, 2)
-    blocks, whole = pack_block_panels(w8.data, int(Q8_0)), kernel.matmul(x, pack_panels(ref), n)
-    for runs in [[(0, 3), (3, 16), (16, 37), (37, 48), (48, 50)], [(0, 50)]]:
-        out = torch.full((m, n), float("nan"))
-        for c0, c1 in runs:
-            cols(buf.data_ptr(), m, blocks.data_ptr(), int(Q8_0), k, c0, c1, out.data_ptr(), n)
-        assert torch.equal(out, whole)
+    # block panels of the same ranges: x's first row alone (up to four panels at a time on AVX-512), all 7
+    for qtype in (Q4_1, Q8_0):
+        wq, ref = random_weight(n, k, qtype, 2)
+        blocks, whole = pack_block_panels(wq.data, int(qtype)), kernel.matmul(x, pack_panels(ref), n)
+        for rows in (1, m):
+            for runs in [[(0, 3), (3, 16), (16, 37), (37, 48), (48, 50)], [(0, 5), (5, 40), (40, 50)], [(0, 50)]]:
+                out = torch.full((rows, n), float("nan"))
+                for c0, c1 in runs:
+                    cols(buf.data_ptr(), rows, blocks.data_ptr(), int(qtype), k, c0, c1, out.data_ptr(), n)
+                assert torch.equal(out, whole[:rows])
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="the vector path needs AVX2 and FMA")

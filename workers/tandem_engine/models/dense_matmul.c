@@ -329,6 +329,58 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_
 #ifndef PF_PAIRS
 #define PF_PAIRS 1 /* block panels: a lone tile requests the bytes of the pair of panels this many pairs on (1-4 within 6% at 1 row; 1 the best) */
 #endif
+#if VECTOR == 512
+/* One row of x times np (1-4) adjacent block panels from bp, each weight unpacked in registers and used at
+ * once (no buffer), into lanes [lo, hi) of the np * NR columns at y. With one row, each output's chain of
+ * fused multiply-adds waits on the one before, so four panels give four chains to overlap, and the unpacking
+ * fills the wait. Same weights (unpack_block's operations) and the same chain in k order as the tiles, so
+ * the same floats. Requests each block's bytes `ahead` further on into L2 (unless 0). */
+static inline __attribute__((always_inline)) void row_blocks(const float *x, const uint8_t *bp, int qtype,
+                                                             int64_t k, const int np, float *y, int lo, int hi,
+                                                             int64_t ahead) {
+    const int64_t bb = tandem_dense_block_bytes(qtype), panel = k / QK * bb;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < k / QK; b++) {
+        const uint8_t *blk[4];
+        __m512 d[4], mn[4];
+        for (int j = 0; j < np; j++) {
+            blk[j] = bp + j * panel + b * bb;
+            if (ahead)
+                for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk[j] + ahead + l), _MM_HINT_T1);
+            d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[j]));
+            mn[j] = qtype == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[j] + 32))) : d[j];
+        }
+        const float *xb = x + b * QK;
+        if (qtype == Q4_1) {
+            for (int half = 0; half < 2; half++) /* low nibbles: k = i; high: k = i + 16 */
+                for (int i = 0; i < QK / 2; i++) {
+                    const __m512 a = _mm512_set1_ps(xb[half * (QK / 2) + i]);
+                    for (int j = 0; j < np; j++) {
+                        __m128i q = _mm_loadu_si128((const __m128i *)(blk[j] + 64 + 16 * i));
+                        q = _mm_and_si128(half ? _mm_srli_epi16(q, 4) : q, low);
+                        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d[j], mn[j]);
+                        acc[j] = _mm512_fmadd_ps(a, w, acc[j]);
+                    }
+                }
+        } else {
+            for (int i = 0; i < QK; i++) {
+                const __m512 a = _mm512_set1_ps(xb[i]);
+                for (int j = 0; j < np; j++) {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk[j] + 32 + 16 * i));
+                    acc[j] = _mm512_fmadd_ps(a, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d[j]), acc[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < np; j++) {
+        const int a = lo > j * NR ? lo - j * NR : 0, e = hi < (j + 1) * NR ? hi - j * NR : NR;
+        if (a < e) _mm512_mask_storeu_ps(y + j * NR, (__mmask16)(((1u << (e - a)) - 1u) << a), acc[j]);
+    }
+}
+#define ROW_PANELS 4
+#endif
+
 static void cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t k, int64_t c0, int64_t c1,
                  float *y, int64_t ldy) {
     if (m <= 0) return; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
@@ -348,6 +400,20 @@ static void cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtyp
             continue;
         }
         const uint8_t *bp = (const uint8_t *)w + p * panel_bytes;
+#if VECTOR == 512
+        if (m == 1) { /* one row: up to four panels at a time, unpacked in registers */
+            np = (c1 - p * NR + NR - 1) / NR < ROW_PANELS ? (c1 - p * NR + NR - 1) / NR : ROW_PANELS;
+            const int h1 = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
+            const int64_t ahead = (p + 2 * np) * NR <= c1 ? np * panel_bytes : 0;
+            switch (np) {
+            case 4: row_blocks(x, bp, qtype, k, 4, y + p * NR, lo, h1, ahead); break;
+            case 3: row_blocks(x, bp, qtype, k, 3, y + p * NR, lo, h1, ahead); break;
+            case 2: row_blocks(x, bp, qtype, k, 2, y + p * NR, lo, h1, ahead); break;
+            default: row_blocks(x, bp, qtype, k, 1, y + p * NR, lo, h1, ahead); break;
+            }
+            continue;
+        }
+#endif
         if (m <= MR) { /* one tile: it unpacks its chunks itself, its sums staying in registers */
             const int64_t ahead = (p + (PF_PAIRS + 1) * np) * NR <= c1 ? PF_PAIRS * np * panel_bytes : 0;
             tile_rows(x, ldx, NULL, bp, qtype, ahead, k, y + p * NR, ldy, (int)m, (int)np, lo, hi, NULL, 1, 0);
