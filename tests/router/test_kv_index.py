@@ -141,6 +141,36 @@ async def test_missed_batches_are_replayed(ctx: zmq.asyncio.Context) -> None:
     feed.pub.close()
 
 
+async def test_a_replay_that_skips_a_batch_is_asked_again(ctx: zmq.asyncio.Context) -> None:
+    """A replay answer missing a batch in its middle (a socket dropped it) is not applied past the hole: the
+    stream starts over and asks again, and ends exact."""
+    port = free_port_pair()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind(f"tcp://127.0.0.1:{port + 1}")
+    answers = [[0, 2], [0, 1, 2]]  # the first answer lacks batch 1
+
+    async def serve() -> None:
+        for seqs in answers:
+            identity, _, _start = await server.recv_multipart()
+            for seq in seqs:
+                payload = engine_events._encoder.encode(stored("e1", [seq]))
+                await server.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+            await server.send_multipart([identity, b"", engine_events.END_SEQ, b""])
+
+    index, resyncs = KVIndex(), []
+    stream = EventStream(A0, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}",
+                         lambda pub, ev: index.clear(pub) if ev is None else index.apply(pub, ev), resyncs.append,
+                         replay_timeout=2.0)
+    server_task = asyncio.create_task(serve())
+    task = asyncio.create_task(stream.run(ctx))
+    await asyncio.wait_for(server_task, 10)
+    await asyncio.wait_for(stream.synced.wait(), 10)
+    assert index.held(A0) == {0, 1, 2} and stream.last == 2
+    assert resyncs == ["error"]  # the first answer was refused, not applied
+    task.cancel()
+    server.close(linger=0)
+
+
 async def test_a_restarted_engine_replaces_what_the_old_one_held(ctx: zmq.asyncio.Context) -> None:
     feed = Feed(free_port_pair())
     feed.pub.publish(stored("boot-1", [1, 2, 3]))

@@ -95,6 +95,10 @@ class KVEventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.bind(pub_endpoint)
             self._replay = self._ctx.socket(zmq.ROUTER)
+            # A ROUTER drops what passes its high-water mark (1,000 messages by default): a replay of a
+            # full buffer would lose batches in its middle, or its end marker. The answer is queued
+            # whole instead (its batches are held in the buffer anyway).
+            self._replay.setsockopt(zmq.SNDHWM, 0)
             self._replay.bind(replay_endpoint)
         except zmq.ZMQError:
             self._ctx.destroy(linger=0)  # a taken port: no socket or context outlives the error
