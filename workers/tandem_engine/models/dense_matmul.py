@@ -159,10 +159,10 @@ class PanelLinear:
         self.qtype = blocks[0].qtype
         self.panels = pack_block_panels(torch.cat([b.data for b in blocks]), self.qtype)
         # Kept only if they are the weight, bit for bit (they are unless the weight is not their dequantization).
-        same = torch.equal(kernel.unpack(self.panels, self.qtype, weight.shape[1]).view(torch.int32),
-                           pack_panels(weight).view(torch.int32))
-        if not same:
-            self.qtype, self.why_float, self.panels = F32, "its blocks do not unpack to its weight", pack_panels(weight)
+        floats = pack_panels(weight)
+        if not torch.equal(kernel.unpack(self.panels, self.qtype, weight.shape[1]).view(torch.int32),
+                           floats.view(torch.int32)):
+            self.qtype, self.why_float, self.panels = F32, "its blocks do not unpack to its weight", floats
 
     @staticmethod
     def _why_not_blocks(weight: torch.Tensor, blocks: Sequence[QuantizedWeight]) -> str:
