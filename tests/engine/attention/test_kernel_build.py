@@ -39,10 +39,20 @@ def test_kernel_built_for_an_isa_level_matches_the_reference(tmp_path: Path, mon
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not _has("avx512f", "avx2", "fma", "bmi2", "f16c", "movbe"),
                     reason="needs an AVX-512 CPU")
-def test_avx512_build_computes_the_avx2_builds_floats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("query_lens", "seq_lens", "tables", "heads"), [
+    ([1, 1, 1, 1], [40, 20, 35, 17], [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]], (9, 3, 64)),
+    ([150, 1, 20], [150, 9, 300], [list(range(10)), [10], list(range(11, 30))], (9, 3, 64)),
+    ([150, 1, 20], [150, 9, 300], [list(range(10)), [10], list(range(11, 30))], (16, 2, 64)),
+], ids=["decode_rows", "prefill_chunks", "prefill_chunks_g8"])
+def test_avx512_build_computes_the_avx2_builds_floats(query_lens: list[int], seq_lens: list[int],
+                                                      tables: list[list[int]], heads: tuple[int, int, int],
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With AVX-512 the decode scores of 16 keys are summed together (four shuffle-and-add levels over pairs
     of keys) instead of one horizontal sum per key; the levels are hsum16's tree, so the outputs are the
-    AVX2 build's bit for bit, on rows of whole and partial 16-key blocks."""
+    AVX2 build's bit for bit, on rows of whole and partial 16-key blocks. Prefill chunks cut their scores
+    and P x V into other register blocks on each (and e^x runs at other vector widths), with every lane's
+    terms in the same order: the same floats, over several 128-key softmax chunks and every row tail
+    (128 rows of eight heads per KV head)."""
     outs = []
     for march in ("x86-64-v3", None):
         monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / str(march)))
@@ -50,8 +60,7 @@ def test_avx512_build_computes_the_avx2_builds_floats(tmp_path: Path, monkeypatc
             monkeypatch.setenv(KERNEL_MARCH_ENV, march)
         else:
             monkeypatch.delenv(KERNEL_MARCH_ENV)
-        out, ref = run_step([1, 1, 1, 1], [40, 20, 35, 17], [[5, 30, 12], [7, 2], [21, 9, 33], [17, 3]],
-                            use_kernel=True, heads=(9, 3, 64), bs=16)
+        out, ref = run_step(query_lens, seq_lens, tables, use_kernel=True, heads=heads, bs=16)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         outs.append(out)
     assert len(list((tmp_path / "None" / "kernels").glob("*.so"))) == 1, "the native kernel was not built"

@@ -287,14 +287,16 @@ PREFILL_HEADS = [(6, 2, 16), (8, 1, 64), (4, 4, 32), (9, 3, 64), (16, 2, 128)]
 @pytest.mark.parametrize("heads", PREFILL_HEADS, ids=["g3_d16", "mqa_d64", "mha_d32", "smollm2", "g8_d128"])
 @pytest.mark.parametrize(
     ("query_lens", "seq_lens"),
-    [([5, 9], [5, 9]), ([16, 17, 1], [16, 30, 9]), ([37, 1, 33], [37, 12, 50]), ([3, 40], [21, 63])],
-    ids=["short", "tile_edges_and_decode", "long_with_context", "chunk_after_context"],
+    [([5, 9], [5, 9]), ([16, 17, 1], [16, 30, 9]), ([37, 1, 33], [37, 12, 50]), ([3, 40], [21, 63]),
+     ([150, 1, 20], [150, 9, 300])],
+    ids=["short", "tile_edges_and_decode", "long_with_context", "chunk_after_context", "past_one_key_chunk"],
 )
 def test_prefill_chunks_take_the_kernel_and_match_the_dense_reference(
     query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks of every length around the kernel's 16-token tiles, fresh or after cached context, beside
-    decode rows, over out-of-order blocks: the tiled causal kernel against a dense per-sequence reference."""
+    decode rows, over out-of-order blocks, and past its 128-key softmax chunks (the running maximum and sum
+    carried from one chunk to the next): the tiled causal kernel against a dense per-sequence reference."""
     calls = []
     real = TorchAttentionBackend._run_prefill_kernel
 

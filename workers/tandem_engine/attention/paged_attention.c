@@ -494,27 +494,33 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
 
 /* Causal attention of prefill chunks (query rows of a sequence's later tokens over all its keys) over a
  * float32 cache. A work item is one sequence's KV head and PF_TILE of its query tokens: the group's query
- * heads (g of them) for those tokens are PF_TILE * g rows, computed together against blocks of PF_KEYS
- * keys, GEMM-style. The item's queries are transposed once into a [D][rows] panel, so each key's scores
- * for 16 rows are D fused multiply-adds of a panel vector by one of the key's elements, read in place
- * from the cache; scores are kept [key][row], and the online softmax (running max and sum per row)
- * runs down the rows in vectors. P x V then adds PF_KEYS rows of V into the rows' accumulators. Keys
- * past a row's own position are masked, so only the tiles on the diagonal compute any masked scores.
- * Needs D a multiple of 16. */
+ * heads (g of them) for those tokens are PF_TILE * g rows (48 for SmolLM2), computed together GEMM-style
+ * against chunks of up to PF_CHUNK keys. The item's queries are transposed once into a [D][rows] panel, so
+ * a key's scores for 16 rows are D fused multiply-adds of a panel vector by one element of the key, read
+ * where the cache holds it; PF_SC_ROWS x PF_SC_KEYS scores stay in registers over D. Scores are kept
+ * [key][row], so the softmax runs down the rows in vectors: per chunk, one maximum, one pass of e^x
+ * (pf_exp, a polynomial the compiler vectorises) and one sum, and the accumulators are rescaled once per
+ * chunk, not per 16 keys (a prompt of up to PF_CHUNK tokens is one chunk). P x V then adds the chunk's V
+ * rows into PF_PV_ROWS rows' accumulators, PF_PV_COLS vectors of D each, kept in registers over the whole
+ * chunk. Keys past a row's own position are masked, so only the chunk on the diagonal computes any
+ * masked scores. Needs D a multiple of 16. */
 #define PF_TILE 16
-#define PF_KEYS 16
+#define PF_CHUNK 128  /* keys per softmax step: a multiple of PF_SC_KEYS */
 #define PF_NEG (-1e30f)  /* a masked score: finite, as -ffast-math assumes */
-/* Keys whose scores, and rows whose P x V, one pass keeps in registers: 16 and 8 vectors of 16 floats fill
- * AVX-512's 32 registers, and would spill AVX2's 16 (each is two there). How a pass is cut does not change
- * any float: every score and accumulator lane still adds its terms in the same order. */
-#ifndef PF_SC_KEYS
+/* Register blocks: with AVX-512's 32 registers, 3 x 16 rows by 8 keys of scores and 12 rows by 2 x 16 floats
+ * of D in P x V (24 accumulators each); AVX2's 16 registers (a v16 is two there) take 16 rows by 4 keys and
+ * 6 rows by 16 floats. How the work is cut does not change any float: every score and accumulator lane adds
+ * its terms in the same order, so both builds compute the same outputs. */
 #if defined(__AVX512F__)
-#define PF_SC_KEYS 16
-#define PF_PV_ROWS 8
+#define PF_SC_ROWS 3
+#define PF_SC_KEYS 8
+#define PF_PV_ROWS 12
+#define PF_PV_COLS 2
 #else
+#define PF_SC_ROWS 1
 #define PF_SC_KEYS 4
-#define PF_PV_ROWS 4
-#endif
+#define PF_PV_ROWS 6
+#define PF_PV_COLS 1
 #endif
 
 typedef struct {
@@ -527,27 +533,102 @@ typedef struct {
     int nq, nkv, d, bs; float scale;
 } pf_job;
 
-/* Where token `pos` of a sequence (its block table bt) keeps KV head h, in floats from the cache's start. */
-static inline int64_t pf_offset(const pf_job *j, const int32_t *bt, int64_t pos, int h) {
-    return (((int64_t)bt[pos / j->bs] * j->bs + pos % j->bs) * j->nkv + h) * j->d;
-}
-
 /* Work items (tiles of PF_TILE query tokens) of a prefill of ql query tokens, per KV head. */
 static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE; }
 
 /* Rows of an item with g query heads per KV head, padded to whole vectors. */
 static inline int pf_rpad(int rows) { return (rows + 15) & ~15; }
 
+/* e^x for x <= 0 (a score minus its row's maximum), within 1.3 ulp of e^x (measured over every float in
+ * [-88, 0]); 0 from about -88.4 down (masked scores). x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
+ * polynomial for expf, 2^n built in the exponent bits. Scalar C without a float select (GCC 12 does not
+ * vectorise one), so that GCC vectorises the loops that call it at any width: libm's expf vectorises only
+ * where libmvec has that width. */
+static inline float pf_exp(float x) {
+    const float xc = __builtin_fmaxf(x, -88.5f);
+    const int n = (int)(xc * 1.44269504088896341f - 0.5f);  /* round to nearest, for xc <= 0 */
+    const float nf = (float)n;
+    float r = __builtin_fmaf(nf, -0.693359375f, xc);  /* xc - n ln2, ln2 in two parts */
+    r = __builtin_fmaf(nf, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    const float y = __builtin_fmaf(p, r * r, r + 1.0f);
+    const int nc = n > -127 ? n : -127;  /* 2^-127 as the bits 0: e^x is 0 below ~-88 */
+    const int32_t bits = (nc + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* Scores of RV x 16 rows (from the [D][rpad] panel qt) by PF_SC_KEYS keys (kp), into sc [key][rpad]. */
+static inline __attribute__((always_inline)) void pf_scores(float *sc, int64_t rpad, const float *qt,
+                                                            const float *const *kp, int d, const int rv) {
+    const float *k[PF_SC_KEYS];
+    for (int x = 0; x < PF_SC_KEYS; x++) k[x] = kp[x];
+    v16 a[PF_SC_ROWS][PF_SC_KEYS];
+    for (int i = 0; i < rv; i++)
+        for (int x = 0; x < PF_SC_KEYS; x++) a[i][x] = zero16();
+    for (int c = 0; c < d; c++) {
+        v16 qv[PF_SC_ROWS];
+        for (int i = 0; i < rv; i++) qv[i] = ld16(qt + (int64_t)c * rpad + 16 * i);
+        for (int x = 0; x < PF_SC_KEYS; x++) {
+            const v16 kv = bcast16(k[x][c]);
+            for (int i = 0; i < rv; i++) a[i][x] = fma16(qv[i], kv, a[i][x]);
+        }
+    }
+    for (int x = 0; x < PF_SC_KEYS; x++)
+        for (int i = 0; i < rv; i++) st16(sc + (int64_t)x * rpad + 16 * i, a[i][x]);
+}
+
+/* acc[rows][cols x 16 floats from column c] = alpha * acc + sum over nk keys of p[key][row] * V. */
+static inline __attribute__((always_inline)) void pf_pv(float *acc, int d, const float *alpha, const float *p,
+                                                        int64_t rpad, const float *const *vp, int nk, int c,
+                                                        const int rows, const int cols) {
+    v16 o[PF_PV_ROWS][PF_PV_COLS];
+    for (int i = 0; i < rows; i++)
+        for (int y = 0; y < cols; y++) o[i][y] = smul16(alpha[i], ld16(acc + (int64_t)i * d + c + 16 * y));
+    for (int x = 0; x < nk; x++) {
+        v16 v[PF_PV_COLS];
+        for (int y = 0; y < cols; y++) v[y] = ld16(vp[x] + c + 16 * y);
+        const float *px = p + (int64_t)x * rpad;
+        for (int i = 0; i < rows; i++) {
+            const v16 w = bcast16(px[i]);
+            for (int y = 0; y < cols; y++) o[i][y] = fma16(w, v[y], o[i][y]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int y = 0; y < cols; y++) st16(acc + (int64_t)i * d + c + 16 * y, o[i][y]);
+}
+
+/* P x V for `rows` rows (at most PF_PV_ROWS) over all of D. */
+static inline __attribute__((always_inline)) void pf_pv_rows(float *acc, int d, const float *alpha,
+                                                             const float *p, int64_t rpad, const float *const *vp,
+                                                             int nk, const int rows) {
+    int c = 0;
+    for (; c + 16 * PF_PV_COLS <= d; c += 16 * PF_PV_COLS) pf_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, PF_PV_COLS);
+    for (; c < d; c += 16) pf_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, 1);
+}
+
+/* GCC's cost model vectorises the softmax loops 8 floats wide even with AVX-512 unless told otherwise; 16 wide
+ * took two 256-token prompts' 30 layers from 26.6 to 24.4 ms, with the same floats (pf_exp is per lane). */
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
 static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     const int d = j->d, g = j->nq / j->nkv;
     const int64_t ql = j->q_lens[s], r0 = t * PF_TILE;
     const int ntok = (int)(ql - r0 < PF_TILE ? ql - r0 : PF_TILE);
     const int64_t p0 = j->seq_lens[s] - ql + r0;  /* position of the tile's first query token */
-    const int rows = ntok * g, rpad = pf_rpad(rows);
+    const int rows = ntok * g, rpad = pf_rpad(rows), nrv = rpad / 16;
     const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
     float *qt = buf, *acc = qt + (int64_t)d * rpad, *sc = acc + (int64_t)rpad * d;
-    float *mx = sc + (int64_t)PF_KEYS * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
+    float *mx = sc + (int64_t)PF_CHUNK * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
     float *zero = tmp + rpad;
+    const float *kp[PF_CHUNK], *vp[PF_CHUNK];
     /* row r = token r / g at position p0 + r / g, head h * g + r % g; qt[c][r] its scaled query */
     for (int r = 0; r < rpad; r++) {
         if (r < rows) {
@@ -560,67 +641,56 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     }
     memset(acc, 0, sizeof(float) * rpad * d);
     memset(zero, 0, sizeof(float) * d);
-    const int64_t nkeys = p0 + ntok;
-    for (int64_t kb = 0; kb < nkeys; kb += PF_KEYS) {
-        const int nk = (int)(nkeys - kb < PF_KEYS ? nkeys - kb : PF_KEYS);
-        const float *krow[PF_KEYS], *vrow[PF_KEYS];
-        for (int x = 0; x < PF_KEYS; x++) {
-            const int64_t off = x < nk ? pf_offset(j, bt, kb + x, h) : -1;
-            krow[x] = off >= 0 ? j->kc + off : zero;
-            vrow[x] = off >= 0 ? j->vc + off : zero;
-        }
-        /* scores [key][row]: 16 rows at a time, one vector per key, in registers over D */
-        for (int r = 0; r < rpad; r += 16)
-            for (int x0 = 0; x0 < PF_KEYS; x0 += PF_SC_KEYS) {
-                v16 a[PF_SC_KEYS];
-                for (int x = 0; x < PF_SC_KEYS; x++) a[x] = zero16();
-                for (int c = 0; c < d; c++) {
-                    const v16 qv = ld16(qt + (int64_t)c * rpad + r);
-                    for (int x = 0; x < PF_SC_KEYS; x++) a[x] = fma16(qv, bcast16(krow[x0 + x][c]), a[x]);
-                }
-                for (int x = 0; x < PF_SC_KEYS; x++) st16(sc + (int64_t)(x0 + x) * rpad + r, a[x]);
-            }
-        /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g;
-         * a block wholly before the tile's first position with 16 keys needs no mask (padding rows, all
-         * zero, are never written out). */
-        if (kb + PF_KEYS - 1 > p0 || nk < PF_KEYS) {
-            for (int x = 0; x < PF_KEYS; x++) {
-                const float lo = x < nk ? (float)((kb + x - p0) * g) : (float)rpad;
-                float *srow = sc + (int64_t)x * rpad;
-                for (int r = 0; r < rpad; r++) srow[r] = (float)r >= lo ? srow[r] : PF_NEG;
+    const int64_t nkeys = p0 + ntok, tok = (int64_t)j->nkv * d;
+    int64_t blk = 0, in_blk = 0;  /* where key kb + x lies: block-table entry and slot, stepped, not divided */
+    for (int64_t kb = 0; kb < nkeys; kb += PF_CHUNK) {
+        const int nk = (int)(nkeys - kb < PF_CHUNK ? nkeys - kb : PF_CHUNK);
+        const int nkr = (nk + PF_SC_KEYS - 1) / PF_SC_KEYS * PF_SC_KEYS;
+        for (int x = 0; x < nkr; x++) {
+            if (x < nk) {
+                const int64_t off = ((int64_t)bt[blk] * j->bs + in_blk) * tok + (int64_t)h * d;
+                kp[x] = j->kc + off; vp[x] = j->vc + off;
+                if (++in_blk == j->bs) { in_blk = 0; blk++; }
+            } else {
+                kp[x] = vp[x] = zero;
             }
         }
-        /* the online softmax of each row over this block, down the rows */
-        for (int r = 0; r < rpad; r++) tmp[r] = sc[r];
-        for (int x = 1; x < PF_KEYS; x++) {
+        /* scores [key][row] */
+        for (int x = 0; x < nkr; x += PF_SC_KEYS) {
+            int i = 0;
+            for (; i + PF_SC_ROWS <= nrv; i += PF_SC_ROWS)
+                pf_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, PF_SC_ROWS);
+            for (; i < nrv; i++) pf_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, 1);
+        }
+        /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g; padding
+         * keys to none (padding rows, all zero, are never written out). */
+        for (int x = kb + 1 > p0 ? 0 : (int)(p0 + 1 - kb); x < nkr; x++) {
+            const float lo = x < nk ? (float)((kb + x - p0) * g) : (float)rpad;
+            float *srow = sc + (int64_t)x * rpad;
+            for (int r = 0; r < rpad; r++) srow[r] = (float)r >= lo ? srow[r] : PF_NEG;
+        }
+        /* the softmax's running maximum and sum of each row, over this chunk, down the rows */
+        for (int r = 0; r < rpad; r++) tmp[r] = mx[r];
+        for (int x = 0; x < nkr; x++) {
             const float *srow = sc + (int64_t)x * rpad;
             for (int r = 0; r < rpad; r++) tmp[r] = srow[r] > tmp[r] ? srow[r] : tmp[r];
         }
         for (int r = 0; r < rpad; r++) {
-            const float m = tmp[r] > mx[r] ? tmp[r] : mx[r];
-            alpha[r] = expf(mx[r] - m);
-            mx[r] = m;
+            alpha[r] = pf_exp(mx[r] - tmp[r]);
+            mx[r] = tmp[r];
             tmp[r] = 0.0f;
         }
-        for (int x = 0; x < PF_KEYS; x++) {
+        for (int x = 0; x < nkr; x++) {
             float *srow = sc + (int64_t)x * rpad;
-            for (int r = 0; r < rpad; r++) { srow[r] = expf(srow[r] - mx[r]); tmp[r] += srow[r]; }
+            for (int r = 0; r < rpad; r++) { srow[r] = pf_exp(srow[r] - mx[r]); tmp[r] += srow[r]; }
         }
         for (int r = 0; r < rpad; r++) sum[r] = sum[r] * alpha[r] + tmp[r];
-        /* acc = acc * alpha + P V: PF_PV_ROWS rows at a time over 16 columns of D */
-        for (int r = 0; r < rpad; r += PF_PV_ROWS) {
-            for (int c = 0; c < d; c += 16) {
-                v16 o[PF_PV_ROWS];
-                for (int i = 0; i < PF_PV_ROWS; i++)
-                    o[i] = smul16(alpha[r + i], ld16(acc + (int64_t)(r + i) * d + c));
-                for (int x = 0; x < PF_KEYS; x++) {
-                    const v16 v = ld16(vrow[x] + c);
-                    const float *p = sc + (int64_t)x * rpad + r;
-                    for (int i = 0; i < PF_PV_ROWS; i++) o[i] = fma16(bcast16(p[i]), v, o[i]);
-                }
-                for (int i = 0; i < PF_PV_ROWS; i++) st16(acc + (int64_t)(r + i) * d + c, o[i]);
-            }
-        }
+        /* acc = acc * alpha + P V */
+        int r = 0;
+        for (; r + PF_PV_ROWS <= rpad; r += PF_PV_ROWS)
+            pf_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, PF_PV_ROWS);
+        for (; r + 4 <= rpad; r += 4) pf_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 4);
+        for (; r < rpad; r += 2) pf_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 2);
     }
     for (int r = 0; r < rows; r++) {
         float *dst = j->out + ((j->q_starts[s] + r0 + r / g) * j->nq + h * g + r % g) * d;
@@ -632,7 +702,7 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
     const int64_t rpad = pf_rpad(PF_TILE * g);
-    return rpad * (2 * d + PF_KEYS + 4) + d;
+    return rpad * (2 * d + PF_CHUNK + 4) + d;
 }
 
 /* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.
