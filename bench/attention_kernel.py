@@ -96,22 +96,37 @@ def timed_steps(libs: dict[str, Any], a: argparse.Namespace, layout: str, shapes
     return times, kv_bytes, outs
 
 
-async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    if a.threads:
-        torch.set_num_threads(a.threads)
+def model_shapes() -> tuple[int, int, int, int, int]:
+    """(layers, query heads, KV heads, head dim, block size) of the embedded model in a default engine."""
     cfg, _, _ = load_config_and_tokenizer(resolve_model(MODEL))
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
-    shapes = (cfg.num_hidden_layers, nq, nkv, d, EngineConfig(model=MODEL).block_size)
-    base_src = subprocess.run(["git", "show", f"{a.baseline}:{SOURCE}"], cwd=REPO, capture_output=True, text=True,
+    return cfg.num_hidden_layers, nq, nkv, d, EngineConfig(model=MODEL).block_size
+
+
+def shapes_entry(shapes: tuple[int, int, int, int, int]) -> dict[str, int]:
+    return dict(zip(("layers", "query_heads", "kv_heads", "head_dim", "block_size"), shapes, strict=True))
+
+
+def build_pair(baseline: str, cache: Path) -> dict[str, Any]:
+    """This tree's kernel and the one at git revision `baseline`, built under `cache` with the current
+    flags (kernels/build.py: `TANDEM_CPU_KERNEL_MARCH` picks the ISA level), by name."""
+    base_src = subprocess.run(["git", "show", f"{baseline}:{SOURCE}"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout
-    cache = Path(tempfile.mkdtemp(prefix="attention-kernel-", dir=work))
     libs = {"this tree": build_kernel((REPO / SOURCE).read_text(), cache),
-            f"baseline {a.baseline}": build_kernel(base_src, cache, "paged_attention_baseline")}
+            f"baseline {baseline}": build_kernel(base_src, cache, "paged_attention_baseline")}
     if any(lib is None for lib in libs.values()):
         raise RuntimeError("a kernel did not build (see the warning above)")
-    res: dict[str, Any] = {"threads": torch.get_num_threads(), "shapes": dict(zip(
-        ("layers", "query_heads", "kv_heads", "head_dim", "block_size"), shapes, strict=True)), "layouts": {}}
+    return libs
+
+
+async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    shapes = model_shapes()
+    _, nq, nkv, d, _ = shapes
+    libs = build_pair(a.baseline, Path(tempfile.mkdtemp(prefix="attention-kernel-", dir=work)))
+    res: dict[str, Any] = {"threads": torch.get_num_threads(), "shapes": shapes_entry(shapes), "layouts": {}}
     for layout in LAYOUTS:
         times, kv_bytes, outs = timed_steps(libs, a, layout, shapes)
         first, *rest = outs.values()

@@ -17,7 +17,6 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,13 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attention_kernel import REPO, SOURCE
-from harness import MODEL, bench_main, describe
+from attention_kernel import build_pair, model_shapes, shapes_entry
+from harness import bench_main, describe
 
-from tandem_engine.attention.torch_backend import build_kernel
-from tandem_engine.config import EngineConfig
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
-from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
 # name: (query tokens, tokens in all) of each prefill in the step
 CASES = {"2 x 256 prompts": [(256, 256), (256, 256)], "1 x 512 prompt": [(512, 512)],
@@ -101,27 +97,17 @@ def timed_steps(libs: dict[str, Any], case: list[tuple[int, int]], iters: int, s
 async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg, _, _ = load_config_and_tokenizer(resolve_model(MODEL))
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
-    shapes = (cfg.num_hidden_layers, nq, nkv, d, EngineConfig(model=MODEL).block_size)
-    base_src = subprocess.run(["git", "show", f"{a.baseline}:{SOURCE}"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout
-    res: dict[str, Any] = {"threads": torch.get_num_threads(), "shapes": dict(zip(
-        ("layers", "query_heads", "kv_heads", "head_dim", "block_size"), shapes, strict=True)), "builds": {}}
+    shapes = model_shapes()
+    _, nq, nkv, d, _ = shapes
+    res: dict[str, Any] = {"threads": torch.get_num_threads(), "shapes": shapes_entry(shapes), "builds": {}}
     for build in BUILDS:
         cache = Path(tempfile.mkdtemp(prefix=f"prefill-attention-{build}-", dir=work))
-        if build == "native":
-            os.environ.pop(KERNEL_MARCH_ENV, None)
-        else:
+        if build != "native":
             os.environ[KERNEL_MARCH_ENV] = build
         try:
-            libs = {"this tree": build_kernel((REPO / SOURCE).read_text(), cache),
-                    f"baseline {a.baseline}": build_kernel(base_src, cache, "paged_attention_baseline")}
+            libs = build_pair(a.baseline, cache)
         finally:
             os.environ.pop(KERNEL_MARCH_ENV, None)
-        if any(lib is None for lib in libs.values()):
-            raise RuntimeError(f"a {build} kernel did not build (see the warning above)")
         per_case: dict[str, Any] = {}
         for name, case in CASES.items():
             times, outs = timed_steps(libs, case, a.iters, shapes)
