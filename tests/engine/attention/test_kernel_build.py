@@ -3,6 +3,8 @@ CPU with that level's features, and outside a read-only cache directory."""
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 import platform
 import shutil
@@ -96,3 +98,19 @@ def test_read_only_cache_dir_builds_under_the_temp_dir(tmp_path: Path, monkeypat
     assert load_kernel.__wrapped__(baked) is not None
     assert not list(baked.iterdir())
     assert list(scratch.glob(f"tandem-cache-{os.getuid()}/kernels/*.so"))
+
+
+def test_a_shared_header_is_built_with_the_source_and_keys_its_build(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel's quoted #include names a header in kernels/ (tandem_exp.h): the build finds it, and a
+    changed header builds a new shared object instead of loading one built from the old text."""
+    source = '#include "tandem_exp.h"\nfloat e(float x) { return exp_small(x); }\n'
+    lib = build.build_library("exp_check", source, build.base_flags(), tmp_path)
+    lib.e.argtypes, lib.e.restype = [ctypes.c_float], ctypes.c_float
+    assert lib.e(1.0) == pytest.approx(math.e, rel=1e-6)
+    assert lib.e(-20.0) == pytest.approx(math.exp(-20.0), rel=1e-6)
+    real = build.local_headers(source)
+    assert list(real) == ["tandem_exp.h"]
+    monkeypatch.setattr(build, "local_headers", lambda src: {n: t + "\n/* changed */\n" for n, t in real.items()})
+    build.build_library("exp_check", source, build.base_flags(), tmp_path)
+    assert len(list((tmp_path / "kernels").glob("exp_check_*.so"))) == 2

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tandem_exp.h"
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
 typedef struct {
@@ -539,30 +541,11 @@ static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE
 /* Rows of an item with g query heads per KV head, padded to whole vectors. */
 static inline int pf_rpad(int rows) { return (rows + 15) & ~15; }
 
-/* e^x for x <= 0 (a score minus its row's maximum), within 1.3 ulp of e^x (measured over every float in
- * [-88, 0]); 0 from about -88.4 down (masked scores). x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
- * polynomial for expf, 2^n built in the exponent bits. Scalar C without a float select (GCC 12 does not
- * vectorise one), so that GCC vectorises the loops that call it at any width: libm's expf vectorises only
- * where libmvec has that width. */
-static inline float pf_exp(float x) {
-    const float xc = __builtin_fmaxf(x, -88.5f);
-    const int n = (int)(xc * 1.44269504088896341f - 0.5f);  /* round to nearest, for xc <= 0 */
-    const float nf = (float)n;
-    float r = __builtin_fmaf(nf, -0.693359375f, xc);  /* xc - n ln2, ln2 in two parts */
-    r = __builtin_fmaf(nf, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
-    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
-    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
-    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
-    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
-    const float y = __builtin_fmaf(p, r * r, r + 1.0f);
-    const int nc = n > -127 ? n : -127;  /* 2^-127 as the bits 0: e^x is 0 below ~-88 */
-    const int32_t bits = (nc + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
+/* e^x for a score minus its row's maximum (x <= 0): below -87, where e^x is under 2^-125, it is taken
+ * at -87 (a masked score weighs 1.6e-38 of its row's largest). Branch-free (kernels/tandem_exp.h), so GCC
+ * vectorises the loops that call it at any width: libm's expf vectorises only where libmvec has that
+ * width. */
+static inline float pf_exp(float x) { return exp_small(__builtin_fmaxf(x, -87.0f)); }
 
 /* Scores of RV x 16 rows (from the [D][rpad] panel qt) by PF_SC_KEYS keys (kp), into sc [key][rpad]. */
 static inline __attribute__((always_inline)) void pf_scores(float *sc, int64_t rpad, const float *qt,

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -59,6 +60,17 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+# A kernel's `#include "name.h"` lines name headers in this folder (code several kernels share).
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"/]+)"', re.MULTILINE)
+
+
+def local_headers(source: str) -> dict[str, str]:
+    """The headers `source` includes with quotes, by name, read from this folder: each build writes them
+    beside its source and keys its shared object on their text as well as the source's."""
+    here = Path(__file__).parent
+    return {name: (here / name).read_text() for name in _LOCAL_INCLUDE.findall(source)}
+
+
 def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
     """Compile `source` (C) with `flags` into `<cache_dir>/kernels/<name>_<key>.so` unless that file
     exists (or the build directory's, for a read-only `cache_dir`), and load it. Raises OSError or
@@ -69,7 +81,8 @@ def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Pat
         raise OSError(f"this CPU lacks {' '.join(sorted(missing))} for -march={march}")
     # -march=native code is keyed on this CPU; a named level on the level.
     ident = cpu_id() if march == "native" else march
-    key = hashlib.sha256((source + " ".join(flags) + ident).encode()).hexdigest()[:16]
+    headers = local_headers(source)
+    key = hashlib.sha256((source + "".join(headers.values()) + " ".join(flags) + ident).encode()).hexdigest()[:16]
     so = cache_dir / "kernels" / f"{name}_{key}.so"
     root = so.parent if so.is_file() else build_dir(cache_dir) / "kernels"
     so = root / so.name
@@ -79,6 +92,8 @@ def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Pat
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             src, obj = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.o"
             src.write_text(source)
+            for header, text in headers.items():
+                (Path(tmp) / header).write_text(text)
             for cmd in ([cc, *flags, "-fPIC", "-c", str(src), "-o", str(obj)],
                         [cc, "-shared", "-fopenmp", str(obj), "-o", f"{tmp}/k.so", "-lm"]):
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)

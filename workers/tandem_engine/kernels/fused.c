@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tandem_exp.h"
+
 /* Elements per thread below which a row loop stays on the calling thread. A batch-32 decode step's rows
  * (32 x 576 for a norm, 32 x 1536 for SiLU) take 30-40 us on one core; a second thread saves ~half of that
  * on a quiet machine, but where engines share cores a fork and join can wait milliseconds for a
@@ -49,25 +51,6 @@ void tandem_add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t
     #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t r = 0; r < rows; r++)
         tandem_add_rms_norm_row(x + r * x_stride, delta ? delta + r * delta_stride : NULL, w, out + r * n, n, eps);
-}
-
-/* e^x for x in [-87, 88] (callers clamp): x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two so that
- * k * hi is exact), e^r by its Taylor series to degree 7 (truncation below 1e-8 relative), times 2^k
- * built in the exponent bits. Branch-free, so the compiler vectorises the loops that call it (given
- * -fno-trapping-math: kernels/fused.py; with trapping math GCC 12 left silu_mul's loop scalar). */
-static inline float exp_small(float x) {
-    const float k = rintf(x * 1.44269504088896341f);
-    const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)k + 127) << 23};
-    return p * scale.f;
 }
 
 /* out [n] = silu(g [n]) * u [n]: one row of tandem_silu_mul, or any run of its columns (the fused decode
