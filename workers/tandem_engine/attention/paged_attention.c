@@ -524,6 +524,7 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
 #define PF_PV_ROWS 6
 #define PF_PV_COLS 1
 #endif
+_Static_assert(PF_CHUNK % PF_SC_KEYS == 0, "a chunk's keys pad to whole score blocks within it");
 
 typedef struct {
     const float *q; int64_t q_tok_stride;
