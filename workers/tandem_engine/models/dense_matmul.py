@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tandem_engine.kernels.build import address, base_flags, try_build
 from tandem_engine.models.gguf_linear import BLOCKS, QuantizedWeight
@@ -37,7 +38,6 @@ PANEL_MAX_ROWS = 512
 # from 128 to 512; a prefill of 32 x 256 tokens in 512-token steps spent 9% less in its matmuls on oneDNN.
 PANEL_MAX_ROWS_AVX512 = 96
 F32 = 0  # the qtype of float panels (ggml's id for F32); block panels take their blocks' type id (BLOCKS)
-Q4_1 = 3  # ggml's id
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,8 @@ def pack_block_panels(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     padded = torch.zeros(panels * PANEL, nb, nbytes, dtype=torch.uint8)
     padded[:n] = blocks.reshape(n, nb, nbytes)
     v = padded.view(panels, PANEL, nb, nbytes).transpose(1, 2)  # [panels, nb, column, block bytes]
-    scales = 4 if qtype == Q4_1 else 2  # bytes of fp16 scales a block starts with: Q4_1's d and m, Q8_0's d
+    # bytes of fp16 scales a block starts with: Q4_1's d and m, Q8_0's d
+    scales = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
     # fp16 d (and m) of the 16 columns, contiguous: [panels, nb, scale, column, 2 bytes]
     head = v[..., :scales].reshape(panels, nb, PANEL, scales // 2, 2).transpose(2, 3)
     body = v[..., scales:].transpose(2, 3)  # [panels, nb, byte of the block, column]
