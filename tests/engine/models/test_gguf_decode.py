@@ -25,8 +25,9 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
+from tandem_engine.models import gguf_decode, packed_linear
 from tandem_engine.models import llama as llama_module
-from tandem_engine.models import packed_linear
+from tandem_engine.models.amx_matmul import amx_unfit
 from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -142,6 +143,60 @@ def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
     assert isinstance(step, FusedDecodeStep)
     assert step.kind == f"float32 panel matmuls, weights in {4 * TINY['layers'] + 1} float32 panels"  # an F32 file
     decode_against_op_by_op(model, backend, threads, kv, to_float_rounding)
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tmp_path_factory: pytest.TempPathFactory,
+              ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
+    """The tiny model in bfloat16, decode steps fused on AMX, and the same bfloat16 weights in a float32
+    model (exact: every bfloat16 is a float32), op by op."""
+    if (why := amx_unfit()) is not None:
+        pytest.skip(f"{why}: no bfloat16 fused step here")
+    tmp = tmp_path_factory.mktemp("bf16")
+    path = write_tiny_gguf(tmp / "tiny.gguf", tiny_weights())
+    model = load_model(resolve_model(str(path), tmp), torch.bfloat16).model
+    model.use_fused_ops(load_fused_ops(tmp))
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    assert fuse_decode_steps(model, backend, torch.bfloat16, tmp) is None
+    wide = load_model(resolve_model(str(path), tmp), torch.float32).model
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            wide.get_parameter(name).copy_(t.float())
+    return model, wide, backend
+
+
+def test_bfloat16_fused_steps_stay_closer_to_float32_than_op_by_op(
+        bf16_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]) -> None:
+    """A bfloat16 model's fused step rounds only its matmul inputs and the KV cache to bfloat16 (the residual
+    stream, norms, RoPE and softmax stay float32), where op by op rounds every intermediate: against the same
+    weights computed in float32, its logits are nearer than op by op's, and op by op agrees with it to
+    bfloat16 rounding."""
+    model, wide, backend = bf16_pair
+    step = model.decode_step
+    assert isinstance(step, FusedDecodeStep) and step.kind == "bfloat16 AMX matmuls"
+    lens, tables = [1, 6, 13, 30], [[1, 2], [3, 4, 5], [6, 7, 8, 9, 10], [11 + i for i in range(9)]]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, TINY["vocab"], (sum(lens),), generator=g)
+    caches = {name: caches_for(model, dtype) for name, dtype in
+              (("fused", torch.bfloat16), ("op", torch.bfloat16), ("f32", torch.float32))}
+    for name, c in caches.items():
+        m = wide if name == "f32" else model
+        m(prompts, positions_for(lens, lens), c, make_meta(lens, lens, tables, BS), backend)
+    errors: dict[str, float] = {"fused": 0.0, "op": 0.0}
+    for s in range(3):
+        seq_lens = [n + s + 1 for n in lens]
+        meta = make_meta([1] * len(lens), seq_lens, tables, BS)
+        ids = torch.randint(3, TINY["vocab"], (len(lens),), generator=g)
+        positions = positions_for([1] * len(lens), seq_lens)
+        fused = model.compute_logits(model(ids, positions, caches["fused"], meta, backend))
+        with op_by_op(model):
+            op = model.compute_logits(model(ids, positions, caches["op"], meta, backend))
+        want = wide.compute_logits(wide(ids, positions, caches["f32"], meta, backend))
+        scale = float(want.abs().max())
+        assert float((fused - op).abs().max()) <= 0.05 * scale
+        errors["fused"] += float((fused - want).abs().mean())
+        errors["op"] += float((op - want).abs().mean())
+    assert errors["fused"] < errors["op"], errors
 
 
 @pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])
@@ -294,14 +349,20 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
             "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)")
     finally:
         model.ops = ops
-    half = LlamaForCausalLM(model.config, torch.bfloat16)
+    half = LlamaForCausalLM(model.config, torch.float16)
     half.use_fused_ops(model.ops)
     assert fuse_decode_steps(half, backend, torch.float32, tmp) == (
-        "a bfloat16 model (fused without --quantization: float32)")
+        "a float16 model (fused without --quantization: float32, or bfloat16 on AMX)")
     half.quantization = "int8"
     assert fuse_decode_steps(half, backend, torch.float32, tmp) == (
         "--quantization int8 (fused: gguf, or none in float32)")
-    assert model.decode_step is step and half.decode_step is None
+    bf16 = LlamaForCausalLM(model.config, torch.bfloat16)
+    bf16.use_fused_ops(model.ops)
+    with pytest.MonkeyPatch.context() as mp:  # a CPU without AMX
+        mp.setattr(gguf_decode, "amx_unfit", lambda: "the CPU lacks amx_bf16 amx_tile")
+        assert fuse_decode_steps(bf16, backend, torch.bfloat16, tmp) == (
+            "a bfloat16 model, and the CPU lacks amx_bf16 amx_tile (fused in bfloat16: AMX-BF16)")
+    assert model.decode_step is step and half.decode_step is None and bf16.decode_step is None
 
 
 def edge_values() -> torch.Tensor:

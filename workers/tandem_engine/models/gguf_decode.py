@@ -7,9 +7,11 @@ waits passively (cpu_budget.py: an idle engine must not spin) each region wakes 
 `FusedDecodeStep` runs every layer of a decode step, up to the final norm, in one region of `gguf_decode.c`,
 which calls the kernels the op-by-op path calls (the fused norm and SiLU rows, the paged attention) and a
 matmul given as two entry points (`StepMatmuls`): the int8 GGUF kernel (`gguf_matmuls`: both paths give the
-same floats), or the float32 panel kernel (`dense_matmuls`, models/dense_matmul.py: the same sums as
-oneDNN's in another order). The embedding lookup and the head stay where they are (the head is one more
-region).
+same floats), the float32 panel kernel (`dense_matmuls`, models/dense_matmul.py: the same sums as oneDNN's
+in another order), or, for a bfloat16 model on a CPU with AMX, the bfloat16 tile kernel (`amx_matmuls`,
+models/amx_matmul.py: the step keeps the residual stream, norms and RoPE in float32, rounding only the
+matmul inputs and the KV cache to bfloat16, so it is nearer to float32 than op by op). The embedding
+lookup and the head stay where they are (the head is one more region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
 step runs fused when every row is a decode row and, under gguf, there are fewer rows than the int8 kernel
@@ -33,6 +35,7 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
+from tandem_engine.models.amx_matmul import BF16, AmxKernel, AmxLinear, amx_unfit, load_amx_kernel
 from tandem_engine.models.dense_matmul import F32, DenseKernel, load_dense_kernel
 from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.gguf_quantized import dense_blocks
@@ -134,6 +137,21 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
                          for name, p in layer.panels.items()} for layer in layers])
 
 
+def amx_matmuls(model: LlamaForCausalLM, kernel: AmxKernel) -> StepMatmuls:
+    """The step's matmuls over AMX copies of a bfloat16 `model`'s projections (made here, once), and the head
+    on one too (`model.amx_head`, which every step's logits then take)."""
+    layers = [cast(DecoderLayer, layer) for layer in model.layers]
+    for layer in layers:
+        for name, (weight, _) in layer.projections().items():
+            if name not in layer.amx:
+                layer.amx[name] = AmxLinear(weight, kernel)
+    if model.amx_head is None:
+        model.amx_head = AmxLinear(model.embed_tokens if model.tie_word_embeddings else model.lm_head, kernel)
+    return StepMatmuls("bfloat16 AMX matmuls", kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
+                       [{name: ([(a.panels, a.out_features, BF16)], a.out_features) for name, a in layer.amx.items()}
+                        for layer in layers])
+
+
 _PANEL_TYPES = {F32: "float32", 3: "Q4_1", 8: "Q8_0"}  # names of dense_matmul.c's panel types
 
 
@@ -158,15 +176,19 @@ class FusedDecodeStep:
         self.hidden, self.inter = model.hidden_size, first.inter
         self.kind, self.row_limit, self._x_bytes = matmuls.kind, matmuls.row_limit, matmuls.x_bytes
         self._keep: list[Any] = []  # what the C structures point into
+        # The step computes in float32 whatever the model's dtype (a bfloat16 model's residual stream, norms
+        # and RoPE too: its matmuls round their inputs to bfloat16), from float32 copies of the norms and tables.
+        self.dtype = model.dtype
+        f32 = self._float32
         next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
         table = (_Layer * len(layers))(*(
-            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
-                   norm.data_ptr())
+            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), f32(layer.post_attn_norm).data_ptr(),
+                   f32(norm).data_ptr())
             for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
         entries = {**matmuls.entries, **row_entries, "attention_heads": heads_kernel}
         self._model = _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv,
-                             self.d, first.input_norm.data_ptr(), model.rope_cos.data_ptr(),
-                             model.rope_sin.data_ptr(), first.eps, first.scale, matmuls.col_align)
+                             self.d, f32(first.input_norm).data_ptr(), f32(model.rope_cos).data_ptr(),
+                             f32(model.rope_sin).data_ptr(), first.eps, first.scale, matmuls.col_align)
         self._keep.append(table)
         self.max_positions = model.rope_cos.shape[0]
         self._widths = {"qkv": (self.nq + 2 * self.nkv) * self.d, "attn": self.nq * self.d, "o": self.hidden,
@@ -179,6 +201,14 @@ class FusedDecodeStep:
         self._kv: tuple[KVCaches, ctypes.Array[ctypes.c_void_p]] | None = None
         # None, or int64 [len(PHASES)] that every step adds each phase's nanoseconds to (bench/profile_step.py)
         self.phase_ns: torch.Tensor | None = None
+
+    def _float32(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself if float32 and contiguous, else a float32 copy kept for the C structures."""
+        if t.dtype == torch.float32 and t.is_contiguous():
+            return t
+        copy = t.detach().float().contiguous()
+        self._keep.append(copy)
+        return copy
 
     def _reserve(self, rows: int) -> None:
         """Work buffers for steps of up to `rows` rows."""
@@ -220,8 +250,11 @@ class FusedDecodeStep:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] float32 contiguous, updated in place (the residual stream) -> [T, hidden] through the
-        final norm. `refusal(meta, kv_caches)` must be None."""
+        """x [T, hidden] contiguous, float32 (updated in place: the residual stream) or the model's dtype (taken
+        as float32) -> [T, hidden] through the final norm, in the model's dtype. `refusal(meta, kv_caches)` must
+        be None."""
+        if x.dtype != torch.float32:
+            x = x.float()
         m = x.shape[0]
         self._reserve(m)
         h = torch.empty_like(x)
@@ -243,15 +276,18 @@ class FusedDecodeStep:
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step), threads)
         if rc:
             raise RuntimeError(f"gguf decode step failed ({rc})")
-        return h
+        return h if self.dtype == torch.float32 else h.to(self.dtype)
 
 
 def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the fused step at all, or None."""
     if model.quantization not in ("gguf", "none"):
         return f"--quantization {model.quantization} (fused: gguf, or none in float32)"
-    if model.quantization == "none" and model.dtype != torch.float32:
-        return f"a {str(model.dtype).removeprefix('torch.')} model (fused without --quantization: float32)"
+    if model.quantization == "none" and model.dtype not in (torch.float32, torch.bfloat16):
+        return f"a {str(model.dtype).removeprefix('torch.')} model (fused without --quantization: float32, or " \
+               "bfloat16 on AMX)"
+    if model.quantization == "none" and model.dtype == torch.bfloat16 and (why := amx_unfit()):
+        return f"a bfloat16 model, and {why} (fused in bfloat16: AMX-BF16)"
     if kv_dtype not in KERNEL_KV_TYPES:
         return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: {_KV_NAMES})"
     if model.ops.row_entries is None:
@@ -296,6 +332,11 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
         return "its C kernel did not build"
     if model.quantization == "gguf":
         matmuls = gguf_matmuls(model)
+    elif model.dtype == torch.bfloat16:
+        amx = load_amx_kernel(cache_dir)
+        if amx is None:
+            return "the bfloat16 AMX kernel did not build or may not run"
+        matmuls = amx_matmuls(model, amx)
     else:
         dense = load_dense_kernel(cache_dir)
         if dense is None:

@@ -25,6 +25,7 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
+from tandem_engine.models.amx_matmul import AmxLinear
 from tandem_engine.models.dense_matmul import DenseBlocks, DenseKernel, PanelLinear
 from tandem_engine.models.gguf_linear import QuantizedWeight
 from tandem_engine.models.packed_linear import linear, packing_supported
@@ -146,6 +147,8 @@ class DecoderLayer(nn.Module):
         # float32 panel copies of the projections (models/dense_matmul.py), made for fused decode steps; they
         # also take the op-by-op matmuls of up to DenseKernel.max_rows rows (`use_panels`).
         self.panels: dict[str, PanelLinear] = {}
+        # AMX copies of a bfloat16 model's projections, for its fused decode steps (models/amx_matmul.py).
+        self.amx: dict[str, AmxLinear] = {}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
         """(weight [out, in], bias) of each projection, by name."""
@@ -288,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param((cfg.hidden_size,), dtype)
         self.packed_lm_head: torch.Tensor | None = None
         self.panel_head: PanelLinear | None = None  # the head on the panel kernel (`use_panels`)
+        self.amx_head: AmxLinear | None = None  # a bfloat16 model's head on AMX (gguf_decode.amx_matmuls)
         self.ops = TORCH_OPS  # norms and activation: torch's ops until `use_fused_ops` (kernels/fused.py)
         self.quantization = "none"  # what `--quantization` made of the projections
         # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
@@ -344,6 +348,8 @@ class LlamaForCausalLM(nn.Module):
             return self.quantized_head(hidden)
         if self.panel_head is not None:
             return self.panel_head(hidden)
+        if self.amx_head is not None:
+            return self.amx_head(hidden)
         # Tied: from 4 rows on the [vocab, hidden] embedding is as fast or faster; 1-2 rows run ~1.5x faster
         # against the transposed copy.
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head

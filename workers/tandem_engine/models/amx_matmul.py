@@ -1,0 +1,121 @@
+"""bfloat16 matmuls on AMX tiles (amx_matmul.c), for a bfloat16 model's decode steps on CPUs with AMX: the
+fused decode step (gguf_decode.py) calls them from its own threads, and `matmul` runs one whole, for the
+tests and the head.
+
+`pack_amx` copies a bfloat16 [n, k] weight once into panels of 16 output columns, each a run of k / 32 weight
+tiles as AMX's tile product reads them; x is rounded to bfloat16 (as torch rounds) and the products add into
+float32 sums. oneDNN's bf16 matmul at a decode step's 32 rows ran at 318 GFLOP/s through F.linear and 443
+with prepacked weights on 2 cores of an AVX-512 Xeon with AMX; this kernel streams the weights at close to
+the memory's rate (docs/architecture.md, "bfloat16 decode steps on AMX").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from tandem_engine.kernels.build import address, base_flags, cpu_flags, try_build
+
+_SRC = (Path(__file__).parent / "amx_matmul.c").read_text()
+PANEL = 16  # output columns of a panel (amx_matmul.c's NR)
+K_TILE = 32  # steps in k of a weight tile (its KT): k must be a multiple
+BF16 = 30  # the qtype the fused step passes for these panels (ggml's id for BF16; the kernel does not read it)
+# What the CPU must list in /proc/cpuinfo: the tiles, their bf16 products, AVX-512 for the rounding of x.
+CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512f"}
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 [n, k] weight as AMX panels [ceil(n / 16), k / 32, 16, 16, 2] (bfloat16): panel p's tile j
+    row i holds, for each of its 16 columns c, the weights at k = 32 j + 2 i and + 1 (zeros past n)."""
+    n, k = weight.shape
+    if k % K_TILE:
+        raise ValueError(f"k = {k} is not a multiple of {K_TILE}")
+    panels = -(-n // PANEL)
+    w = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
+    w[:n] = weight
+    # [p, c, j, i, 2] -> [p, j, i, c, 2]
+    return w.view(panels, PANEL, k // K_TILE, K_TILE // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+class AmxKernel:
+    """The built amx_matmul.c; threads as torch's."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._matmul = lib.tandem_amx_matmul
+        self._matmul.argtypes = [p, i64, i64, p, i64, i64, p, i64, p, ctypes.c_int]
+        self._matmul.restype = None
+        self._x_bytes = lib.tandem_amx_x_bytes
+        self._x_bytes.argtypes = [i64, i64]
+        self._x_bytes.restype = i64
+        self._copy_x = lib.tandem_amx_copy_x
+        self._copy_x.argtypes = [p, i64, i64, i64, i64, i64, p]
+        self._copy_x.restype = None
+        # For the fused decode step (gguf_decode.c's kernels_t): x rounded into its buffer, then columns.
+        self.entries = {"quantize": address(lib, "tandem_amx_copy_x"),
+                        "matmul_cols": address(lib, "tandem_amx_matmul_cols")}
+        self.tile_cols = 2 * PANEL  # a tile's columns: runs of columns start on multiples of it
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def x_bytes(self, m: int, k: int) -> int:
+        """Bytes of the buffer m rows of k values are rounded into."""
+        return int(self._x_bytes(m, k))
+
+    def round_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] float32 (k a multiple of 32) as the kernel rounds it into its buffer: [m, k] bfloat16."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or x.stride(1) != 1 or k % K_TILE:
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype} is not float32 rows of a multiple of {K_TILE}")
+        out = torch.empty(m, k, dtype=torch.bfloat16)
+        self._copy_x(x.data_ptr(), x.stride(0), m, k, 0, m * k // K_TILE, out.data_ptr())
+        return out
+
+    def matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] float32 (rows at any stride, columns contiguous) @ W.T -> [m, n] float32, W packed by
+        `pack_amx`; x rounded to bfloat16 first. Into `out` (rows at any stride, columns contiguous) if given."""
+        m, k = x.shape
+        if (x.dtype != torch.float32 or x.stride(1) != 1 or panels.dtype != torch.bfloat16
+                or not panels.is_contiguous() or panels.shape[1:] != (k // K_TILE, K_TILE // 2, PANEL, 2)
+                or k % K_TILE or panels.shape[0] * PANEL < n):
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit AMX panels {tuple(panels.shape)} of {n} "
+                             "columns")
+        if out is None:
+            out = torch.empty(m, n)
+        need = self.x_bytes(m, k)
+        if self._buf.numel() < need:
+            self._buf = torch.zeros(need, dtype=torch.uint8)
+        self._matmul(x.data_ptr(), x.stride(0), m, panels.data_ptr(), n, k, out.data_ptr(), out.stride(0),
+                     self._buf.data_ptr(), torch.get_num_threads())
+        return out
+
+
+class AmxLinear:
+    """A bfloat16 projection's AMX copy: y [rows, out] (float32) = bf16(x) [rows, in] @ W.T."""
+
+    def __init__(self, weight: torch.Tensor, kernel: AmxKernel) -> None:
+        self.out_features, self.kernel = weight.shape[0], kernel
+        self.panels = pack_amx(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.matmul(x.float() if x.dtype != torch.float32 else x, self.panels, self.out_features)
+
+
+def amx_unfit(flags: set[str] | None = None) -> str | None:
+    """Why this CPU cannot run the kernel, or None."""
+    missing = CPU_FLAGS - (cpu_flags() if flags is None else flags)
+    return f"the CPU lacks {' '.join(sorted(missing))}" if missing else None
+
+
+@functools.cache  # one per directory
+def load_amx_kernel(cache_dir: Path) -> AmxKernel | None:
+    """The kernel built once under `cache_dir` (kernels/build.py), or None: a CPU without AMX-BF16, a
+    compiler or ISA level without it (a warning), or a kernel that refuses to run it."""
+    if amx_unfit() is not None:
+        return None
+    lib = try_build("amx_matmul", _SRC, base_flags(), cache_dir, "bfloat16 decode steps run op by op")
+    if lib is None or lib.tandem_amx_init() != 0:
+        return None
+    return AmxKernel(lib)
