@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import platform
 import sys
 import time
 from pathlib import Path
@@ -22,10 +23,12 @@ logger = logging.getLogger(__name__)
 def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     """Build the model's cache (a GGUF's; nothing for a safetensors directory) and, with `kernel`, every CPU
     kernel an engine may build at start (attention, fused norm and activation, the fused decode step and
-    the dense path's panel matmul; `--quantization gguf`'s matmul) under `cache_dir`. Returns the model's
+    the dense path's panel matmul; `--quantization gguf`'s matmul; on x86, a bfloat16 model's AMX matmul)
+    under `cache_dir`. Returns the model's
     safetensors directory. Raises RuntimeError if a kernel cannot be built."""
     from tandem_engine.attention.torch_backend import load_kernel
     from tandem_engine.kernels.fused import load_fused_ops
+    from tandem_engine.models.amx_matmul import build_amx_kernel
     from tandem_engine.models.dense_matmul import load_dense_kernel
     from tandem_engine.models.gguf_decode import load_decode_kernel
     from tandem_engine.models.gguf_linear import load_gguf_kernel
@@ -38,6 +41,8 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
         if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
                 or load_decode_kernel(cache_dir) is None or load_dense_kernel(cache_dir) is None:
             raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
+        if platform.machine() in ("x86_64", "AMD64"):  # for nodes with AMX; a compiler without it only warns
+            build_amx_kernel(cache_dir)
     logger.info("[startup] prepared %s in %s in %.1fs", model, d, time.perf_counter() - t0)
     return d
 

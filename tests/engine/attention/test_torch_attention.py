@@ -316,9 +316,23 @@ def test_prefill_chunks_take_the_kernel_and_match_the_dense_reference(
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads", PREFILL_HEADS, ids=["g3_d16", "mqa_d64", "mha_d32", "smollm2", "g8_d128"])
 @pytest.mark.parametrize("kv", ["bfloat16", "float16"])
-def test_prefill_over_a_16_bit_cache_stays_on_sdpa(kv: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", None)  # calling it would fail
-    out, ref = run_step([20, 1], [27, 5], [[3, 8], [4]], use_kernel=True, heads=(9, 3, 64), bs=16,
-                        kv_dtype=getattr(torch, kv))
+def test_prefill_over_a_16_bit_cache_takes_the_kernel(kv: str, heads: tuple[int, int, int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 model over a 16-bit cache (--kv-cache-dtype, or a bfloat16 model computing in float32 on AMX):
+    each item widens its chunk of keys and values exactly, past one 128-key chunk too, and the kernel matches
+    the reference over the same rounded values."""
+    calls = []
+    real = TorchAttentionBackend._run_prefill_kernel
+
+    def counted(self: TorchAttentionBackend, *args: object) -> None:
+        calls.append(args)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", counted)
+    tables = [list(range(3, 13)), [1, 2], list(range(13, 33))]
+    out, ref = run_step([20, 1, 150], [147, 5, 300], tables, use_kernel=True, heads=heads, bs=16,
+                        kv_dtype=getattr(torch, kv), q_scale=3.0)
+    assert calls, "the prefill chunks did not reach the kernel"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

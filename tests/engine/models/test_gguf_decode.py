@@ -146,57 +146,67 @@ def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
 
 
 @pytest.fixture(scope="module")
-def bf16_pair(tmp_path_factory: pytest.TempPathFactory,
-              ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
-    """The tiny model in bfloat16, decode steps fused on AMX, and the same bfloat16 weights in a float32
-    model (exact: every bfloat16 is a float32), op by op."""
+def bf16_models(tmp_path_factory: pytest.TempPathFactory,
+                ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
+    """The tiny model in bfloat16 three ways: on AMX (`use_amx`, decode steps fused), op by op in bfloat16
+    (what every CPU ran before, and one without AMX runs), and its bfloat16 weights in a float32 model (exact:
+    every bfloat16 is a float32), op by op."""
     if (why := amx_unfit()) is not None:
-        pytest.skip(f"{why}: no bfloat16 fused step here")
+        pytest.skip(f"{why}: no bfloat16 model on AMX here")
     tmp = tmp_path_factory.mktemp("bf16")
     path = write_tiny_gguf(tmp / "tiny.gguf", tiny_weights())
-    model = load_model(resolve_model(str(path), tmp), torch.bfloat16).model
-    model.use_fused_ops(load_fused_ops(tmp))
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
-    assert fuse_decode_steps(model, backend, torch.bfloat16, tmp) is None
+    ops = load_fused_ops(tmp)
+    amx, plain = (load_model(resolve_model(str(path), tmp), torch.bfloat16).model for _ in range(2))
     wide = load_model(resolve_model(str(path), tmp), torch.float32).model
     with torch.no_grad():
-        for name, t in model.named_parameters():
+        for name, t in plain.named_parameters():
             wide.get_parameter(name).copy_(t.float())
-    return model, wide, backend
+    for m in (amx, plain, wide):
+        m.use_fused_ops(ops)
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    assert fuse_decode_steps(amx, backend, torch.bfloat16, tmp) is None
+    return amx, plain, wide, backend
 
 
-def test_bfloat16_fused_steps_stay_closer_to_float32_than_op_by_op(
-        bf16_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]) -> None:
-    """A bfloat16 model's fused step rounds only its matmul inputs and the KV cache to bfloat16 (the residual
-    stream, norms, RoPE and softmax stay float32), where op by op rounds every intermediate: against the same
-    weights computed in float32, its logits are nearer than op by op's, and op by op agrees with it to
-    bfloat16 rounding."""
-    model, wide, backend = bf16_pair
-    step = model.decode_step
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bfloat16_on_amx_fused_steps_agree_with_its_op_by_op_steps(
+        bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend],
+        threads: int) -> None:
+    """On AMX both paths compute in float32 around the same bfloat16 matmuls: the same values to a few float32
+    roundings, and the bfloat16 cache to one unit of its last place."""
+    amx, _, _, backend = bf16_models
+    step = amx.decode_step
     assert isinstance(step, FusedDecodeStep) and step.kind == "bfloat16 AMX matmuls"
+    assert amx.act_dtype == torch.float32 and all(
+        cast(DecoderLayer, layer).qkv_weight.numel() == 0 for layer in amx.layers)  # the panels replaced them
+    decode_against_op_by_op(amx, backend, threads, torch.bfloat16, to_float_rounding)
+
+
+def test_bfloat16_on_amx_stays_closer_to_float32_than_bfloat16_op_by_op(
+        bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]) -> None:
+    """It rounds only the matmul inputs and the KV cache to bfloat16 where torch's bfloat16 ops round every
+    intermediate: against the same weights computed in float32, over a prefill and three decode steps, its
+    logits are nearer, and the two bfloat16 paths agree to bfloat16 rounding."""
+    amx, plain, wide, backend = bf16_models
     lens, tables = [1, 6, 13, 30], [[1, 2], [3, 4, 5], [6, 7, 8, 9, 10], [11 + i for i in range(9)]]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, TINY["vocab"], (sum(lens),), generator=g)
-    caches = {name: caches_for(model, dtype) for name, dtype in
-              (("fused", torch.bfloat16), ("op", torch.bfloat16), ("f32", torch.float32))}
-    for name, c in caches.items():
-        m = wide if name == "f32" else model
-        m(prompts, positions_for(lens, lens), c, make_meta(lens, lens, tables, BS), backend)
-    errors: dict[str, float] = {"fused": 0.0, "op": 0.0}
+    models = {"amx": amx, "plain": plain, "f32": wide}
+    caches = {name: caches_for(m, torch.float32 if name == "f32" else torch.bfloat16) for name, m in models.items()}
+    errors = {"amx": 0.0, "plain": 0.0}
+    steps = [(prompts, positions_for(lens, lens), make_meta(lens, lens, tables, BS))]
     for s in range(3):
         seq_lens = [n + s + 1 for n in lens]
-        meta = make_meta([1] * len(lens), seq_lens, tables, BS)
-        ids = torch.randint(3, TINY["vocab"], (len(lens),), generator=g)
-        positions = positions_for([1] * len(lens), seq_lens)
-        fused = model.compute_logits(model(ids, positions, caches["fused"], meta, backend))
-        with op_by_op(model):
-            op = model.compute_logits(model(ids, positions, caches["op"], meta, backend))
-        want = wide.compute_logits(wide(ids, positions, caches["f32"], meta, backend))
-        scale = float(want.abs().max())
-        assert float((fused - op).abs().max()) <= 0.05 * scale
-        errors["fused"] += float((fused - want).abs().mean())
-        errors["op"] += float((op - want).abs().mean())
-    assert errors["fused"] < errors["op"], errors
+        steps.append((torch.randint(3, TINY["vocab"], (len(lens),), generator=g),
+                      positions_for([1] * len(lens), seq_lens), make_meta([1] * len(lens), seq_lens, tables, BS)))
+    for ids, positions, meta in steps:
+        logits = {name: m.compute_logits(m(ids, positions, caches[name], meta, backend)).float()
+                  for name, m in models.items()}
+        want = logits["f32"]
+        assert float((logits["amx"] - logits["plain"]).abs().max()) <= 0.05 * float(want.abs().max())
+        for name in errors:
+            errors[name] += float((logits[name] - want).abs().mean())
+    assert errors["amx"] < errors["plain"], errors
 
 
 @pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])

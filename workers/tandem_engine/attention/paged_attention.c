@@ -5,7 +5,7 @@
  * (docs/architecture.md): with head sizes a multiple of 64 the loops convert 16 values at a time as they load
  * them (ld16kv), for other sizes a block is widened into a per-thread buffer first.
  * Below: the store of a step's keys and values (tandem_write_kv) and the tiled causal attention of prefill
- * chunks over a float32 cache (tandem_prefill_attention). */
+ * chunks over a cache of any of the three (tandem_prefill_attention_kv). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -495,7 +495,8 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
 }
 
 /* Causal attention of prefill chunks (query rows of a sequence's later tokens over all its keys) over a
- * float32 cache. A work item is one sequence's KV head and PF_TILE of its query tokens: the group's query
+ * float32 cache, or a 16-bit one whose chunk of keys and values an item widens into its scratch first. A
+ * work item is one sequence's KV head and PF_TILE of its query tokens: the group's query
  * heads (g of them) for those tokens are PF_TILE * g rows (48 for SmolLM2), computed together GEMM-style
  * against chunks of up to PF_CHUNK keys. The item's queries are transposed once into a [D][rows] panel, so
  * a key's scores for 16 rows are D fused multiply-adds of a panel vector by one element of the key, read
@@ -528,7 +529,7 @@ _Static_assert(PF_CHUNK % PF_SC_KEYS == 0, "a chunk's keys pad to whole score bl
 
 typedef struct {
     const float *q; int64_t q_tok_stride;
-    const float *kc, *vc;
+    const void *kc, *vc; int kv_type;  /* a float32, bfloat16 or float16 cache (KV_F32, ...) */
     const int32_t *table; int64_t table_stride;
     const int64_t *seq_ids, *q_starts, *q_lens, *seq_lens;  /* per prefill: block-table row, first query
                                                                row, query tokens, tokens in all */
@@ -597,6 +598,14 @@ static inline __attribute__((always_inline)) void pf_pv_rows(float *acc, int d, 
     for (; c < d; c += 16) pf_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, 1);
 }
 
+/* Key or value row `src` (d values of cache type kt, d a multiple of 16) as floats in dst: exact. */
+static void widen_row(float *dst, const char *src, int d, int kt) {
+    if (kt == KV_BF16)
+        for (int c = 0; c < d; c += 16) st16(dst + c, ld16kv(src + 2 * c, KV_BF16));
+    else
+        for (int c = 0; c < d; c += 16) st16(dst + c, ld16kv(src + 2 * c, KV_F16));
+}
+
 /* GCC's cost model vectorises the softmax loops 8 floats wide even with AVX-512 unless told otherwise; 16 wide
  * took two 256-token prompts' 30 layers from 26.6 to 24.4 ms, with the same floats (pf_exp is per lane). */
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
@@ -611,8 +620,9 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
     float *qt = buf, *acc = qt + (int64_t)d * rpad, *sc = acc + (int64_t)rpad * d;
     float *mx = sc + (int64_t)PF_CHUNK * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
-    float *zero = tmp + rpad;
+    float *zero = tmp + rpad, *wide = zero + d;  /* wide: a 16-bit cache's chunk of K, then of V, as floats */
     const float *kp[PF_CHUNK], *vp[PF_CHUNK];
+    const int64_t elem = j->kv_type == KV_F32 ? 4 : 2;
     /* row r = token r / g at position p0 + r / g, head h * g + r % g; qt[c][r] its scaled query */
     for (int r = 0; r < rpad; r++) {
         if (r < rows) {
@@ -633,7 +643,14 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         for (int x = 0; x < nkr; x++) {
             if (x < nk) {
                 const int64_t off = ((int64_t)bt[blk] * j->bs + in_blk) * tok + (int64_t)h * d;
-                kp[x] = j->kc + off; vp[x] = j->vc + off;
+                if (j->kv_type == KV_F32) {
+                    kp[x] = (const float *)j->kc + off; vp[x] = (const float *)j->vc + off;
+                } else {  /* widened once per item and chunk: ~1% of the item's arithmetic */
+                    float *kw = wide + (int64_t)x * d, *vw = wide + (int64_t)(PF_CHUNK + x) * d;
+                    widen_row(kw, (const char *)j->kc + off * elem, d, j->kv_type);
+                    widen_row(vw, (const char *)j->vc + off * elem, d, j->kv_type);
+                    kp[x] = kw; vp[x] = vw;
+                }
                 if (++in_blk == j->bs) { in_blk = 0; blk++; }
             } else {
                 kp[x] = vp[x] = zero;
@@ -686,19 +703,20 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
     const int64_t rpad = pf_rpad(PF_TILE * g);
-    return rpad * (2 * d + PF_CHUNK + 4) + d;
+    return rpad * (2 * d + PF_CHUNK + 4) + d + 2 * PF_CHUNK * (int64_t)d;
 }
 
 /* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.
  * Returns -1 for a head layout it does not take (D not a multiple of 16, nq not a multiple of nkv). */
-int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *kc, const float *vc,
-                             const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
-                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
-                             int64_t n_seqs, float *out, float *scratch, int nq, int nkv, int d, int bs,
-                             float scale, int n_threads) {
+int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
+                                const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
+                                const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
+                                int64_t n_seqs, float *out, float *scratch, int nq, int nkv, int d, int bs,
+                                float scale, int n_threads) {
     if (d % 16 != 0 || nkv <= 0 || nq % nkv != 0) return -1;
-    const pf_job j = {q, q_tok_stride, kc, vc, table, table_stride, seq_ids, q_starts, q_lens, seq_lens, out,
-                      nq, nkv, d, bs, scale};
+    if (kv_type != KV_F32 && kv_type != KV_BF16 && kv_type != KV_F16) return -1;
+    const pf_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
+                      out, nq, nkv, d, bs, scale};
     int64_t items = 0;
     for (int64_t s = 0; s < n_seqs; s++) items += nkv * pf_tiles(q_lens[s]);
     const int64_t per_thread = tandem_prefill_scratch(nq / nkv, d);
@@ -716,4 +734,14 @@ int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *
         }
     }
     return 0;
+}
+
+/* The same over a float32 cache (the entry bench/prefill_attention.py times against earlier revisions). */
+int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *kc, const float *vc,
+                             const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
+                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
+                             int64_t n_seqs, float *out, float *scratch, int nq, int nkv, int d, int bs,
+                             float scale, int n_threads) {
+    return tandem_prefill_attention_kv(q, q_tok_stride, kc, vc, KV_F32, table, table_stride, seq_ids, q_starts,
+                                       q_lens, seq_lens, n_seqs, out, scratch, nq, nkv, d, bs, scale, n_threads);
 }

@@ -67,7 +67,7 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
     `tandem_paged_attention` (decode rows over threads), `tandem_paged_attention_heads` (a head range of
     one row), `tandem_write_kv` (a step's keys and values into a float32 cache) and
-    `tandem_prefill_attention` (float32 prefill chunks, tiled)."""
+    `tandem_prefill_attention_kv` (float32 prefill chunks over any of those caches, tiled)."""
     return build_kernel(_KERNEL_SRC, cache_dir)
 
 
@@ -92,6 +92,10 @@ def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") ->
         lib.tandem_prefill_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32,
                                                  f32, i32]
         lib.tandem_prefill_attention.restype = i32
+    if hasattr(lib, "tandem_prefill_attention_kv"):
+        lib.tandem_prefill_attention_kv.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, i64, p, p, i32, i32, i32,
+                                                    i32, f32, i32]
+        lib.tandem_prefill_attention_kv.restype = i32
         lib.tandem_prefill_scratch.argtypes = [i32, i32]
         lib.tandem_prefill_scratch.restype = i64
     return lib
@@ -268,9 +272,9 @@ class TorchAttentionBackend(AttentionBackend):
         nkv = k_cache.shape[2]
         g = nq // nkv
         use_kernel = self._kernel_applies(query, k_cache)
-        # Prefill chunks take the kernel's tiled causal attention where everything is float32 (a 16-bit
-        # model or cache keeps SDPA) and its head layout fits.
-        prefill_kernel = (use_kernel and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        # Prefill chunks take the kernel's tiled causal attention where the queries are float32 (a 16-bit
+        # model keeps SDPA), over a cache of any type it reads, and its head layout fits.
+        prefill_kernel = (use_kernel and query.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
                           and d % 16 == 0 and nq % nkv == 0 and v_cache.is_contiguous())
         # The plan is cached per step on the metadata object's identity (a runner builds one per step;
         # holding the reference keeps its id from being reused); the lengths in the key guard against a
@@ -372,7 +376,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _run_prefill_kernel(
         self,
         query: torch.Tensor,  # [T, nq, D] float32
-        k_cache: torch.Tensor,  # float32
+        k_cache: torch.Tensor,  # float32, bfloat16 or float16
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         kp: _KernelPrefills,
@@ -385,8 +389,9 @@ class TorchAttentionBackend(AttentionBackend):
         threads = torch.get_num_threads()
         scratch = self._scratch_floats(threads * self._kernel.tandem_prefill_scratch(nq // nkv, d))
         table = _int32_table(meta)
-        rc = self._kernel.tandem_prefill_attention(
-            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+        rc = self._kernel.tandem_prefill_attention_kv(
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            KERNEL_KV_TYPES[k_cache.dtype], table.data_ptr(),
             table.stride(0), kp.seq_ids.data_ptr(), kp.q_starts.data_ptr(), kp.q_lens.data_ptr(),
             kp.seq_lens.data_ptr(), kp.seq_ids.numel(), out.data_ptr(), scratch.data_ptr(), nq, nkv, d,
             k_cache.shape[1], scale, threads)

@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512F__)
-#error "amx_matmul.c needs AMX-BF16 and AVX-512 (built with -march=native on a CPU that has them)"
+#error "amx_matmul.c needs AMX-BF16 and AVX-512 (amx_matmul.py's amx_flags)"
 #endif
 
 #define NR 16        /* output columns of a panel */

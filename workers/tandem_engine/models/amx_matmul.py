@@ -109,13 +109,26 @@ def amx_unfit(flags: set[str] | None = None) -> str | None:
     return f"the CPU lacks {' '.join(sorted(missing))}" if missing else None
 
 
+def amx_flags() -> tuple[str, ...]:
+    """Every kernel's flags, with AMX-BF16 and AVX-512 added whatever ISA level the rest is built for
+    (`TANDEM_CPU_KERNEL_MARCH`: an image's x86-64-v3): the engine runs the kernel only on a CPU that has them
+    (`amx_unfit`), so one build serves every node with AMX."""
+    return (*base_flags(), "-mavx512f", "-mamx-tile", "-mamx-bf16")
+
+
+def build_amx_kernel(cache_dir: Path) -> ctypes.CDLL | None:
+    """The kernel's library built once under `cache_dir` (kernels/build.py; an image's build makes it on any
+    x86 machine), or None with a warning: no compiler, or one without AMX."""
+    return try_build("amx_matmul", _SRC, amx_flags(), cache_dir, "a bfloat16 model runs op by op in bfloat16")
+
+
 @functools.cache  # one per directory
 def load_amx_kernel(cache_dir: Path) -> AmxKernel | None:
-    """The kernel built once under `cache_dir` (kernels/build.py), or None: a CPU without AMX-BF16, a
-    compiler or ISA level without it (a warning), or a kernel that refuses to run it."""
+    """The kernel, or None: a CPU without AMX-BF16, no build (a warning), or a kernel Linux does not let use
+    the tiles."""
     if amx_unfit() is not None:
         return None
-    lib = try_build("amx_matmul", _SRC, base_flags(), cache_dir, "bfloat16 decode steps run op by op")
+    lib = build_amx_kernel(cache_dir)
     if lib is None or lib.tandem_amx_init() != 0:
         return None
     return AmxKernel(lib)

@@ -35,7 +35,7 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
-from tandem_engine.models.amx_matmul import BF16, AmxKernel, AmxLinear, amx_unfit, load_amx_kernel
+from tandem_engine.models.amx_matmul import BF16, AmxKernel, amx_unfit, load_amx_kernel
 from tandem_engine.models.dense_matmul import F32, DenseKernel, load_dense_kernel
 from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.gguf_quantized import dense_blocks
@@ -138,15 +138,10 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
 
 
 def amx_matmuls(model: LlamaForCausalLM, kernel: AmxKernel) -> StepMatmuls:
-    """The step's matmuls over AMX copies of a bfloat16 `model`'s projections (made here, once), and the head
-    on one too (`model.amx_head`, which every step's logits then take)."""
+    """The step's matmuls over AMX copies of a bfloat16 `model`'s projections, which from here on computes in
+    float32 but for its matmuls' inputs (`LlamaForCausalLM.use_amx`: its op-by-op steps too)."""
+    model.use_amx(kernel)
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    for layer in layers:
-        for name, (weight, _) in layer.projections().items():
-            if name not in layer.amx:
-                layer.amx[name] = AmxLinear(weight, kernel)
-    if model.amx_head is None:
-        model.amx_head = AmxLinear(model.embed_tokens if model.tie_word_embeddings else model.lm_head, kernel)
     return StepMatmuls("bfloat16 AMX matmuls", kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
                        [{name: ([(a.panels, a.out_features, BF16)], a.out_features) for name, a in layer.amx.items()}
                         for layer in layers])
@@ -178,7 +173,7 @@ class FusedDecodeStep:
         self._keep: list[Any] = []  # what the C structures point into
         # The step computes in float32 whatever the model's dtype (a bfloat16 model's residual stream, norms
         # and RoPE too: its matmuls round their inputs to bfloat16), from float32 copies of the norms and tables.
-        self.dtype = model.dtype
+        self.dtype = model.act_dtype
         f32 = self._float32
         next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
         table = (_Layer * len(layers))(*(

@@ -25,7 +25,7 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
-from tandem_engine.models.amx_matmul import AmxLinear
+from tandem_engine.models.amx_matmul import AmxKernel, AmxLinear
 from tandem_engine.models.dense_matmul import DenseBlocks, DenseKernel, PanelLinear
 from tandem_engine.models.gguf_linear import QuantizedWeight
 from tandem_engine.models.packed_linear import linear, packing_supported
@@ -184,11 +184,27 @@ class DecoderLayer(nn.Module):
             if self.packed.get(name) is not None:
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
+    def use_amx(self, kernel: AmxKernel) -> None:
+        """Run the bfloat16 projections on AMX copies (made here, once; the weights are freed, their shape
+        becoming [0]) for float32 rows, and keep the norms' weights in float32: the layer then computes in
+        float32 but for its matmuls' bfloat16 inputs."""
+        for name, (weight, _) in self.projections().items():
+            if name not in self.amx:
+                self.amx[name] = AmxLinear(weight, kernel)
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # every matmul takes the copy
+        for norm in (self.input_norm, self.post_attn_norm, self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.data = norm.data.float()
+
     def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] through projection `name` -> [T, out]: quantized if it is, else dense."""
         q = self.quantized.get(name)
         if q is not None:
             return q(x)
+        amx = self.amx.get(name)
+        if amx is not None:  # float32 rows, bfloat16 weights (use_amx)
+            y = amx(x)
+            return y if bias is None else y.add_(bias)
         panels, packed = self.panels.get(name), self.packed.get(name)
         if panels is not None and (x.shape[0] <= panels.kernel.max_rows or packed is None):
             return panels(x, bias)
@@ -291,7 +307,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param((cfg.hidden_size,), dtype)
         self.packed_lm_head: torch.Tensor | None = None
         self.panel_head: PanelLinear | None = None  # the head on the panel kernel (`use_panels`)
-        self.amx_head: AmxLinear | None = None  # a bfloat16 model's head on AMX (gguf_decode.amx_matmuls)
+        self.amx_head: AmxLinear | None = None  # a bfloat16 model's head on AMX (`use_amx`)
+        # What the residual stream and every op but the matmuls compute in: the weights' dtype, or float32
+        # for a bfloat16 model on AMX (`use_amx`).
+        self.act_dtype = dtype
         self.ops = TORCH_OPS  # norms and activation: torch's ops until `use_fused_ops` (kernels/fused.py)
         self.quantization = "none"  # what `--quantization` made of the projections
         # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
@@ -329,6 +348,8 @@ class LlamaForCausalLM(nn.Module):
             x = self.quantized_embedding(input_ids)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
+        if x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)
         if self.decode_step is not None and self.decode_step.refusal(meta, kv_caches) is None:
             return self.decode_step(x, positions, kv_caches, meta)
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
@@ -369,6 +390,19 @@ class LlamaForCausalLM(nn.Module):
             self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel, head_blocks)
             self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
             self.packed_lm_head = None
+
+    def use_amx(self, kernel: AmxKernel) -> None:
+        """A bfloat16 model on a CPU with AMX: its projections and head on the AMX kernel (models/amx_matmul.py)
+        and everything else in float32 (the norms' weights and the RoPE tables widened from bfloat16, exactly),
+        so that only the matmuls' inputs (and the KV cache) are rounded to bfloat16. Idempotent."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).use_amx(kernel)
+        if self.amx_head is None:
+            self.amx_head = AmxLinear(self.embed_tokens if self.tie_word_embeddings else self.lm_head, kernel)
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
+        self.norm.data = self.norm.data.float()
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        self.act_dtype = torch.float32
 
     def use_fused_ops(self, ops: FusedOps) -> None:
         """Run the residual adds, norms and activation through `ops` (the C kernels where they apply)."""
