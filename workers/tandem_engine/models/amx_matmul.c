@@ -68,16 +68,18 @@ static inline __m256i to_bf16(__m512 v) {
 }
 
 /* Blocks [i0, i1) of 32 values of x [m, k] (row stride ldx; block i is row i / (k / 32), values
- * i % (k / 32) * 32 on) into the buffer as bfloat16, row stride k: the fused decode step's "quantize" entry
- * (gguf_decode.c), for k a multiple of 32. */
+ * i % (k / 32) * 32 on) into the buffer as bfloat16 row tiles: the tile of rows 16 t.. and values 32 j.. is
+ * the buffer's (t * k / 32 + j)-th 1 KB, a row of it 64 bytes, so that a tile load reads 1 KB in order (16
+ * rows k * 2 bytes apart were 16 separate streams for the prefetcher). The fused decode step's "quantize"
+ * entry (gguf_decode.c), for k a multiple of 32. */
 void tandem_amx_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
     (void)m;
     const int64_t nb = k / KT;
     uint16_t *out = (uint16_t *)buf;
     for (int64_t i = i0; i < i1; i++) {
-        const int64_t r = i / nb, c = i % nb * KT;
+        const int64_t r = i / nb, j = i % nb, c = j * KT;
         const float *src = x + r * ldx + c;
-        uint16_t *dst = out + r * k + c;
+        uint16_t *dst = out + ((r / 16 * nb + j) * 16 + r % 16) * KT;
         _mm256_storeu_si256((__m256i *)dst, to_bf16(_mm512_loadu_ps(src)));
         _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16(_mm512_loadu_ps(src + 16)));
     }
@@ -102,7 +104,7 @@ void tandem_amx_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_
  * columns. Tiles of up to 16 rows by two panels; a run's last panel may be alone. */
 static void cols(const uint16_t *xb, int64_t m, const uint8_t *w, int64_t k, int64_t c0, int64_t c1, float *y,
                  int64_t ldy) {
-    const int64_t kb_n = k / KT, panel_bytes = kb_n * TILE_B, xs = k * 2;
+    const int64_t kb_n = k / KT, panel_bytes = kb_n * TILE_B, xs = 64;
     load_config();
     for (int64_t c = c0; c < c1; c += 2 * NR) {
         const int two = c + NR < c1;
@@ -111,7 +113,7 @@ static void cols(const uint16_t *xb, int64_t m, const uint8_t *w, int64_t k, int
         for (int64_t r = 0; r < m; r += 32) {
             const int rows0 = (int)(m - r < 16 ? m - r : 16);
             const int rows1 = m - r > 16 ? (int)(m - r - 16 < 16 ? m - r - 16 : 16) : 0;
-            const uint16_t *a0 = xb + r * k, *a1 = a0 + 16 * k;
+            const uint16_t *a0 = xb + r * k, *a1 = a0 + 16 * k; /* row tiles r / 16 and r / 16 + 1 */
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -120,8 +122,8 @@ static void cols(const uint16_t *xb, int64_t m, const uint8_t *w, int64_t k, int
                 for (int64_t kb = 0; kb < kb_n; kb++) {
                     _tile_loadd(6, b0 + kb * TILE_B, 64);
                     _tile_loadd(7, b1 + kb * TILE_B, 64);
-                    _tile_loadd(4, a0 + kb * KT, xs);
-                    _tile_loadd(5, a1 + kb * KT, xs);
+                    _tile_loadd(4, a0 + kb * 16 * KT, xs);
+                    _tile_loadd(5, a1 + kb * 16 * KT, xs);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
                     _tile_dpbf16ps(2, 5, 6);
@@ -131,22 +133,22 @@ static void cols(const uint16_t *xb, int64_t m, const uint8_t *w, int64_t k, int
                 for (int64_t kb = 0; kb < kb_n; kb++) {
                     _tile_loadd(6, b0 + kb * TILE_B, 64);
                     _tile_loadd(7, b1 + kb * TILE_B, 64);
-                    _tile_loadd(4, a0 + kb * KT, xs);
+                    _tile_loadd(4, a0 + kb * 16 * KT, xs);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
                 }
             else if (rows1)
                 for (int64_t kb = 0; kb < kb_n; kb++) {
                     _tile_loadd(6, b0 + kb * TILE_B, 64);
-                    _tile_loadd(4, a0 + kb * KT, xs);
-                    _tile_loadd(5, a1 + kb * KT, xs);
+                    _tile_loadd(4, a0 + kb * 16 * KT, xs);
+                    _tile_loadd(5, a1 + kb * 16 * KT, xs);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(2, 5, 6);
                 }
             else
                 for (int64_t kb = 0; kb < kb_n; kb++) {
                     _tile_loadd(6, b0 + kb * TILE_B, 64);
-                    _tile_loadd(4, a0 + kb * KT, xs);
+                    _tile_loadd(4, a0 + kb * 16 * KT, xs);
                     _tile_dpbf16ps(0, 4, 6);
                 }
             float *yr = y + r * ldy + c;

@@ -65,13 +65,15 @@ class AmxKernel:
         return int(self._x_bytes(m, k))
 
     def round_x(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, k] float32 (k a multiple of 32) as the kernel rounds it into its buffer: [m, k] bfloat16."""
+        """x [m, k] float32 (k a multiple of 32) as the kernel rounds it into its buffer (in row tiles of 16 x 32
+        there): [m, k] bfloat16."""
         m, k = x.shape
         if x.dtype != torch.float32 or x.stride(1) != 1 or k % K_TILE:
             raise ValueError(f"x {tuple(x.shape)} {x.dtype} is not float32 rows of a multiple of {K_TILE}")
-        out = torch.empty(m, k, dtype=torch.bfloat16)
-        self._copy_x(x.data_ptr(), x.stride(0), m, k, 0, m * k // K_TILE, out.data_ptr())
-        return out
+        tiles = -(-m // 16)
+        buf = torch.zeros(tiles, k // K_TILE, 16, K_TILE, dtype=torch.bfloat16)  # row tiles, as the kernel keeps x
+        self._copy_x(x.data_ptr(), x.stride(0), m, k, 0, m * k // K_TILE, buf.data_ptr())
+        return buf.permute(0, 2, 1, 3).reshape(tiles * 16, k)[:m]
 
     def matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] float32 (rows at any stride, columns contiguous) @ W.T -> [m, n] float32, W packed by
