@@ -281,6 +281,19 @@ def test_write_to_a_slot_outside_the_cache_raises_and_writes_nothing(bad: int, u
         assert k_cache.count_nonzero() == 0 and v_cache.count_nonzero() == 0
 
 
+def count_prefill_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    """The backend's calls of the C prefill kernel from now on (the kernel still runs)."""
+    calls: list[tuple[object, ...]] = []
+    real = TorchAttentionBackend._run_prefill_kernel
+
+    def counted(self: TorchAttentionBackend, *args: object) -> None:
+        calls.append(args)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", counted)
+    return calls
+
+
 PREFILL_HEADS = [(6, 2, 16), (8, 1, 64), (4, 4, 32), (9, 3, 64), (16, 2, 128)]
 
 
@@ -297,14 +310,7 @@ def test_prefill_chunks_take_the_kernel_and_match_the_dense_reference(
     """Chunks of every length around the kernel's 16-token tiles, fresh or after cached context, beside
     decode rows, over out-of-order blocks, and past its 128-key softmax chunks (the running maximum and sum
     carried from one chunk to the next): the tiled causal kernel against a dense per-sequence reference."""
-    calls = []
-    real = TorchAttentionBackend._run_prefill_kernel
-
-    def counted(self: TorchAttentionBackend, *args: object) -> None:
-        calls.append(args)
-        real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", counted)
+    calls = count_prefill_kernel_calls(monkeypatch)
     order = random.Random(sum(seq_lens)).sample(range(NUM_BLOCKS), NUM_BLOCKS)
     tables, used = [], 0
     for s in seq_lens:
@@ -323,14 +329,7 @@ def test_prefill_over_a_16_bit_cache_takes_the_kernel(kv: str, heads: tuple[int,
     """A float32 model over a 16-bit cache (--kv-cache-dtype, or a bfloat16 model computing in float32 on AMX):
     each item widens its chunk of keys and values exactly, past one 128-key chunk too, and the kernel matches
     the reference over the same rounded values."""
-    calls = []
-    real = TorchAttentionBackend._run_prefill_kernel
-
-    def counted(self: TorchAttentionBackend, *args: object) -> None:
-        calls.append(args)
-        real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", counted)
+    calls = count_prefill_kernel_calls(monkeypatch)
     tables = [list(range(3, 13)), [1, 2], list(range(13, 33))]
     out, ref = run_step([20, 1, 150], [147, 5, 300], tables, use_kernel=True, heads=heads, bs=16,
                         kv_dtype=getattr(torch, kv), q_scale=3.0)
