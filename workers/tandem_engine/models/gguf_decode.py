@@ -171,19 +171,17 @@ class FusedDecodeStep:
         self.hidden, self.inter = model.hidden_size, first.inter
         self.kind, self.row_limit, self._x_bytes = matmuls.kind, matmuls.row_limit, matmuls.x_bytes
         self._keep: list[Any] = []  # what the C structures point into
-        # The step computes in float32 whatever the model's dtype (a bfloat16 model's residual stream, norms
-        # and RoPE too: its matmuls round their inputs to bfloat16), from float32 copies of the norms and tables.
-        self.dtype = model.act_dtype
-        f32 = self._float32
+        # The step computes in float32: a bfloat16 model takes it only after `use_amx` (amx_matmuls) widened its
+        # norms and RoPE tables and made float32 its activations' dtype.
         next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
         table = (_Layer * len(layers))(*(
-            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), f32(layer.post_attn_norm).data_ptr(),
-                   f32(norm).data_ptr())
+            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
+                   norm.data_ptr())
             for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
         entries = {**matmuls.entries, **row_entries, "attention_heads": heads_kernel}
         self._model = _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv,
-                             self.d, f32(first.input_norm).data_ptr(), f32(model.rope_cos).data_ptr(),
-                             f32(model.rope_sin).data_ptr(), first.eps, first.scale, matmuls.col_align)
+                             self.d, first.input_norm.data_ptr(), model.rope_cos.data_ptr(),
+                             model.rope_sin.data_ptr(), first.eps, first.scale, matmuls.col_align)
         self._keep.append(table)
         self.max_positions = model.rope_cos.shape[0]
         self._widths = {"qkv": (self.nq + 2 * self.nkv) * self.d, "attn": self.nq * self.d, "o": self.hidden,
@@ -196,14 +194,6 @@ class FusedDecodeStep:
         self._kv: tuple[KVCaches, ctypes.Array[ctypes.c_void_p]] | None = None
         # None, or int64 [len(PHASES)] that every step adds each phase's nanoseconds to (bench/profile_step.py)
         self.phase_ns: torch.Tensor | None = None
-
-    def _float32(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` itself if float32 and contiguous, else a float32 copy kept for the C structures."""
-        if t.dtype == torch.float32 and t.is_contiguous():
-            return t
-        copy = t.detach().float().contiguous()
-        self._keep.append(copy)
-        return copy
 
     def _reserve(self, rows: int) -> None:
         """Work buffers for steps of up to `rows` rows."""
@@ -245,11 +235,8 @@ class FusedDecodeStep:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] contiguous, float32 (updated in place: the residual stream) or the model's dtype (taken
-        as float32) -> [T, hidden] through the final norm, in the model's dtype. `refusal(meta, kv_caches)` must
-        be None."""
-        if x.dtype != torch.float32:
-            x = x.float()
+        """x [T, hidden] float32 contiguous, updated in place (the residual stream) -> [T, hidden] through the
+        final norm. `refusal(meta, kv_caches)` must be None."""
         m = x.shape[0]
         self._reserve(m)
         h = torch.empty_like(x)
@@ -271,7 +258,7 @@ class FusedDecodeStep:
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step), threads)
         if rc:
             raise RuntimeError(f"gguf decode step failed ({rc})")
-        return h if self.dtype == torch.float32 else h.to(self.dtype)
+        return h
 
 
 def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> str | None:
