@@ -95,6 +95,9 @@ class EngineConfig:
     cpu_attention_kernel: bool = True  # the C paged-attention kernel of the torch backend, where it builds
     cpu_fused_kernels: bool = True  # C kernels for residual add + RMSNorm, SiLU * up and RoPE (kernels/fused.py)
     onednn_pack: bool = True  # oneDNN-prepacked weights for batched CPU matmuls (models/packed_linear.py)
+    # float32 matmuls of 32 rows or more on AMX over a GGUF file's blocks, where the CPU has AMX
+    # (models/amx_matmul.py)
+    cpu_amx_float32: bool = True
     quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)
     # Start-up

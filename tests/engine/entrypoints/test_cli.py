@@ -31,7 +31,8 @@ def test_flags_reach_the_config() -> None:
     args = build_parser().parse_args([
         "--model", "/m", "--dtype", "float32", "--role", "decode", "--max-model-len", "512",
         "--num-kv-blocks", "8", "--no-prefix-caching", "--ready-timeout", "5", "--kv-failure-policy",
-        "recompute", "--no-cpu-attention-kernel", "--no-cpu-fused-kernels", "--no-onednn-pack", "--cache-dir", "/tmp/c",
+        "recompute", "--no-cpu-attention-kernel", "--no-cpu-fused-kernels", "--no-onednn-pack", "--no-cpu-amx-float32",
+        "--cache-dir", "/tmp/c",
         "--scheduling-policy", "priority", "--max-waiting-requests", "0", "--port", "9000",
         "--kv-cache-dtype", "bfloat16",
     ])
@@ -39,8 +40,8 @@ def test_flags_reach_the_config() -> None:
     assert config == dataclasses.replace(
         EngineConfig(), model="/m", dtype="float32", role="decode", max_model_len=512, num_kv_blocks=8,
         enable_prefix_caching=False, ready_timeout_s=5.0, kv_failure_policy="recompute",
-        cpu_attention_kernel=False, cpu_fused_kernels=False, onednn_pack=False, cache_dir="/tmp/c",
-        scheduling_policy="priority",
+        cpu_attention_kernel=False, cpu_fused_kernels=False, onednn_pack=False, cpu_amx_float32=False,
+        cache_dir="/tmp/c", scheduling_policy="priority",
         max_waiting_requests=0, kv_cache_dtype="bfloat16",
     )
     assert args.port == 9000

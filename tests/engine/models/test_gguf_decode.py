@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import platform
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
 from tandem_engine.models import gguf_decode, packed_linear
 from tandem_engine.models import llama as llama_module
-from tandem_engine.models.amx_matmul import amx_unfit
+from tandem_engine.models.amx_matmul import AmxBlockLinear, amx_unfit
 from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -224,7 +225,7 @@ def dense_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         if not keep_blocks:
             model.gguf_file = None
         model.use_fused_ops(load_fused_ops(tmp))
-        assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
+        assert fuse_decode_steps(model, backend, torch.float32, tmp, amx_float32=False) is None
         models.append(model)
     return models[0], models[1], backend
 
@@ -287,6 +288,85 @@ def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
     assert {name: p.qtype for name, p in layer.panels.items()} == {"qkv": 0, "o": 3, "gate_up": 3, "down": 3}
     assert "ggml types [3, 8], not all Q4_1 or all Q8_0" in caplog.text
     assert model.panel_head is not None and model.panel_head.qtype == 0  # the embedding is F32 in this file
+
+
+@pytest.fixture(scope="module")
+def amx_pair(tmp_path_factory: pytest.TempPathFactory,
+             ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
+    """The tiny model in Q4_1 blocks served dense twice: with the float32 AMX kernel (--cpu-amx-float32, the
+    default) and without."""
+    tmp = tmp_path_factory.mktemp("amx_f32")
+    path = tiny_gguf(tmp / "tiny.gguf", Q4_1)
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    models = []
+    for amx in (True, False):
+        model = load_model(resolve_model(str(path), tmp), torch.float32).model
+        model.use_fused_ops(load_fused_ops(tmp))
+        assert fuse_decode_steps(model, backend, torch.float32, tmp, amx_float32=amx) is None
+        models.append(model)
+    return models[0], models[1], backend
+
+
+@pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_float32_amx_takes_the_matmuls_of_32_rows_and_more(
+        amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX, a float32 model from a GGUF file runs its prefill projections (op by op) and its fused
+    decode steps of 32 rows or more on the float32 AMX kernel, fewer rows on the panels: logits and cache
+    within float32 rounding of the panels' everywhere, and the step's 40-row decode not bit for bit the
+    panels' (so the kernel did run)."""
+    amx, panels, backend = amx_pair
+    step = cast(FusedDecodeStep, amx.decode_step)
+    assert step.kind.endswith("; from 32 rows float32 AMX matmuls over the same blocks")
+    assert cast(FusedDecodeStep, panels.decode_step).kind.endswith(" panels")
+    for layer in amx.layers:
+        layer = cast(DecoderLayer, layer)
+        assert set(layer.amx_f32) == {"qkv", "o", "gate_up", "down"}
+        assert all(p is None for p in layer.packed.values())  # oneDNN's copies are freed
+    assert amx.amx_f32_head is not None and panels.amx_f32_head is None
+    calls = Counter[int]()
+    real = AmxBlockLinear.__call__
+    monkeypatch.setattr(AmxBlockLinear, "__call__", lambda self, x, bias=None: (calls.update([x.shape[0]]),
+                                                                                 real(self, x, bias))[1])
+    n = 40
+    lens = [1 + i % 12 for i in range(n)]
+    pool = list(range(1, 64 * 4))
+    random.Random(threads).shuffle(pool)
+    tables = [[pool.pop() for _ in range(-(-(L + 3) // BS))] for L in lens]
+    g = torch.Generator().manual_seed(threads)
+    caches = {name: kv_caches(TINY["layers"], 256, BS, TINY["kv_heads"], TINY["hidden"] // TINY["heads"],
+                              torch.float32) for name in ("amx", "panels")}
+    models = {"amx": amx, "panels": panels}
+    with torch_threads(threads):
+        prompts = torch.randint(3, TINY["vocab"], (sum(lens),), generator=g)
+        meta = make_meta(lens, lens, tables, BS)
+        logits = {name: m.compute_logits(m(prompts, positions_for(lens, lens), caches[name], meta, backend))
+                  for name, m in models.items()}
+        assert calls[sum(lens)] == 4 * TINY["layers"] + 1  # every projection of the prefill, and the head
+        to_float_rounding(logits["amx"], logits["panels"])
+        for s, rows in enumerate((n, n, 5)):  # two decode steps of 40 rows, one of 5
+            seq_lens = [L + s + 1 for L in lens[:rows]]
+            meta = make_meta([1] * rows, seq_lens, tables[:rows], BS)
+            ids = torch.randint(3, TINY["vocab"], (rows,), generator=g)
+            positions = positions_for([1] * rows, seq_lens)
+            before = [(k.clone(), v.clone()) for k, v in caches["amx"]]
+            out = {name: m.compute_logits(m(ids, positions, caches[name], meta, backend))
+                   for name, m in models.items()}
+            to_float_rounding(out["amx"], out["panels"])
+            if rows == n:  # the same step, its matmuls on the panels: another order of the same sums
+                with monkeypatch.context() as patch:
+                    patch.setattr(step, "_models", step._models[1:])
+                    on_panels = amx.decode_step(amx.embed_tokens[ids].clone(), positions, before, meta)
+                hidden = amx.decode_step(amx.embed_tokens[ids].clone(), positions,
+                                         [(k.clone(), v.clone()) for k, v in before], meta)
+                to_float_rounding(hidden, on_panels)
+                assert not torch.equal(hidden, on_panels)
+    assert calls[n] == 2  # the heads of the two 40-row steps; their projections ran inside the fused step
+    assert calls[5] == 0
+    for (ka, va), (kp, vp) in zip(caches["amx"], caches["panels"], strict=True):
+        to_float_rounding(ka, kp)
+        to_float_rounding(va, vp)
 
 
 def to_float_rounding(a: torch.Tensor, b: torch.Tensor) -> None:

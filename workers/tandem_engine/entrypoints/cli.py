@@ -107,6 +107,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
                               "on the CPU (built on first use)")
     compute.add_argument("--onednn-pack", action=argparse.BooleanOptionalAction, default=d.onednn_pack,
                          help="oneDNN-prepacked weights for batched CPU matmuls")
+    compute.add_argument("--cpu-amx-float32", action=argparse.BooleanOptionalAction, default=d.cpu_amx_float32,
+                         help="a float32 model from a GGUF file runs its matmuls of 32 rows or more on AMX tiles, "
+                              "in float32 arithmetic (a CPU with AMX; off: the same sums at every batch size)")
 
 
 def _positive(value: str) -> int:

@@ -45,13 +45,16 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-static void load_config(void) {
-    _Alignas(64) tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-}
+/* gcc's _tile_loadconfig tells the compiler it reads only the first 8 bytes of the configuration, so one built
+ * on the stack may lose the stores to the rest as dead (then ldtilecfg faults on a nonzero reserved byte or
+ * loads the wrong shapes). A constant in memory cannot. */
+static const _Alignas(64) tilecfg_t CONFIG = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+static void load_config(void) { _tile_loadconfig(&CONFIG); }
 
 /* Buffer bytes for m rows of k: rows padded to a whole tile of 16 (the padding's sums are computed and not
  * stored), and a cache line of slack. */
@@ -185,6 +188,188 @@ void tandem_amx_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
         for (int64_t j; (j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < runs;) {
             const int64_t c = j * 2 * NR;
             cols((const uint16_t *)buf, m, w, k, c, c + 2 * NR < n ? c + 2 * NR : n, y, ldy);
+        }
+    }
+}
+
+/* ---- float32 matmuls on AMX over a GGUF file's Q4_1 and Q8_0 blocks (amx_matmul.py's AmxBlockKernel) ----
+ *
+ * y [m, n] (float32) = x [m, k] @ w [n, k]^T, where every weight is one of its block's values, w = d * q + m
+ * (Q4_1: q in 0..15) or d * q (Q8_0: q in -128..127), as the loader dequantized them. q is a bfloat16 exactly
+ * (at most 8 significant bits), and x is split exactly into three bfloat16 parts, x = hi + mid + lo (hi is x
+ * rounded to bfloat16, mid the remainder rounded, lo what is left: 24 bits of significand in three runs of
+ * 8). So each tile product multiplies exactly and adds into float32 sums: per block of 32 in k,
+ * s = sum over the block of hi * q + mid * q + lo * q (96 exact products, rounded as they add), then
+ * acc = fma(d, s, acc) and, for Q4_1, acc = fma(m, sum of x over the block, acc). Float32 arithmetic
+ * throughout, the sums in another order than x @ w's; at AMX's rate instead of the FMA units'.
+ *
+ * Packed weights, per panel of 16 output columns and block of 32 in k (BLK_B bytes, one after another):
+ * the 1 KB bfloat16 tile of q as AMX's B operand wants it (as the bfloat16 panels above), then the 16
+ * columns' d, then their m (float32; zeros for Q8_0).
+ * x's buffer: per tile of 16 rows and block of 32 in k, three 1 KB row tiles (hi, mid, lo); after all of
+ * them, the float32 sums of x over each block, [rows padded to 16][k / 32]. */
+
+#define BLK_B (TILE_B + 2 * NR * 4)
+#define Q4_1 3
+
+int64_t tandem_amx_f32_x_bytes(int64_t m, int64_t k) {
+    const int64_t rows = (m + 15) / 16 * 16;
+    return rows * k * 2 * 3 + rows * (k / KT) * 4 + 64;
+}
+
+static inline __m512 widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+/* 16 values of x into their three bfloat16 parts at p (hi), p + 512 (mid), p + 1024 (lo), in uint16s. */
+static inline void split3(__m512 v, uint16_t *p) {
+    const __m256i hi = to_bf16(v);
+    const __m512 r1 = _mm512_sub_ps(v, widen(hi));
+    const __m256i mid = to_bf16(r1);
+    const __m256i lo = to_bf16(_mm512_sub_ps(r1, widen(mid)));
+    _mm256_storeu_si256((__m256i *)p, hi);
+    _mm256_storeu_si256((__m256i *)(p + 512), mid);
+    _mm256_storeu_si256((__m256i *)(p + 1024), lo);
+}
+
+/* Blocks [i0, i1) of 32 values of x [m, k] (block i is row i / (k / 32), values i % (k / 32) * 32 on) split
+ * into the buffer, with their sums. The fused decode step's "quantize" entry (gguf_decode.c). */
+void tandem_amx_f32_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
+    const int64_t nb = k / KT, rows = (m + 15) / 16 * 16;
+    uint16_t *out = (uint16_t *)buf;
+    float *sums = (float *)((uint8_t *)buf + rows * k * 2 * 3);
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t r = i / nb, j = i % nb;
+        const float *src = x + r * ldx + j * KT;
+        uint16_t *dst = out + ((r / 16 * nb + j) * 3 * 16 + r % 16) * KT;
+        const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+        split3(a, dst);
+        split3(b, dst + 16);
+        sums[r * nb + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+}
+
+/* acc rows [0, rows) of 16 columns += d * s (+ m * the rows' block sums, Q4_1). */
+static inline __attribute__((always_inline)) void scale_rows_n(float *acc, const float *s, int rows, const float *dm,
+                                                               const float *sums, int64_t nb, int has_m) {
+    const __m512 d = _mm512_loadu_ps(dm), mm = _mm512_loadu_ps(dm + NR);
+    for (int r = 0; r < rows; r++) {
+        __m512 a = _mm512_fmadd_ps(d, _mm512_load_ps(s + r * NR), _mm512_load_ps(acc + r * 2 * NR));
+        if (has_m) a = _mm512_fmadd_ps(mm, _mm512_set1_ps(sums[r * nb]), a);
+        _mm512_store_ps(acc + r * 2 * NR, a);
+    }
+}
+
+/* The same, with the loop's count known to the compiler for whole tiles. */
+static inline void scale_rows(float *acc, const float *s, int rows, const float *dm, const float *sums, int64_t nb,
+                              int has_m) {
+    if (rows == 16 && has_m)
+        scale_rows_n(acc, s, 16, dm, sums, nb, 1);
+    else if (rows == 16)
+        scale_rows_n(acc, s, 16, dm, sums, nb, 0);
+    else
+        scale_rows_n(acc, s, rows, dm, sums, nb, has_m);
+}
+
+/* f32_cols' step that stores the sums of one tile of rows (tiles t0 and t1: its two panels) for block kb,
+ * then scales them into acc (its rows from `row`). */
+#define F32_SCALE(t0, t1, row, kb)                                                                      \
+    do {                                                                                                \
+        const int rows_ = (row) ? rows1 : rows0;                                                        \
+        const float *sk_ = sums + (r + (row)) * nb + (kb);                                              \
+        _tile_stored(t0, s[0], NR * 4);                                                                 \
+        scale_rows(acc + (row) * 2 * NR, s[0], rows_, (const float *)(b0 + (kb) * BLK_B + TILE_B), sk_, \
+                   nb, has_m);                                                                          \
+        if (two) {                                                                                      \
+            _tile_stored(t1, s[1], NR * 4);                                                             \
+            scale_rows(acc + (row) * 2 * NR + NR, s[1], rows_, (const float *)(b1 + (kb) * BLK_B + TILE_B), \
+                       sk_, nb, has_m);                                                                 \
+        }                                                                                               \
+    } while (0)
+
+/* Output columns [c0, c1) of y for the m rows split into buf, over the block panels w (qtype Q4_1 or Q8_0);
+ * c0 a multiple of 16. Tiles of up to 32 rows by two panels: per block of 32 in k, up to twelve tile
+ * products into four tiles, which are then scaled into float32 sums kept in a 4 KB buffer. */
+static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, const uint8_t *w, int has_m, int64_t k,
+                     int64_t c0, int64_t c1, float *y, int64_t ldy) {
+    const int64_t nb = k / KT, rows_all = (m + 15) / 16 * 16, panel_bytes = nb * BLK_B;
+    const float *sums = (const float *)(buf + rows_all * k * 2 * 3);
+    _Alignas(64) float acc[32 * 2 * NR];
+    _Alignas(64) float s[2][16 * NR];
+    load_config();
+    for (int64_t c = c0; c < c1; c += 2 * NR) {
+        const int two = c + NR < c1;
+        const uint8_t *b0 = w + c / NR * panel_bytes, *b1 = b0 + panel_bytes;
+        const int w0 = (int)(c1 - c < NR ? c1 - c : NR), w1 = two ? (int)(c1 - c - NR < NR ? c1 - c - NR : NR) : 0;
+        for (int64_t r = r0; r < r1; r += 32) {
+            const int rows0 = (int)(r1 - r < 16 ? r1 - r : 16);
+            const int rows1 = r1 - r > 16 ? (int)(r1 - r - 16 < 16 ? r1 - r - 16 : 16) : 0;
+            const uint8_t *a0 = buf + r / 16 * nb * 3 * TILE_B, *a1 = a0 + nb * 3 * TILE_B;
+            memset(acc, 0, sizeof acc);
+            /* The panels' two sets of sums take turns: one set's products for a block are issued before the
+             * other set's sums of the block before are stored and scaled, so the tile unit is never idle
+             * waiting for a store. */
+            /* Two sets of sums, one per tile of rows (tiles 0-1 and 2-3, each over the two panels), take turns:
+             * one set's products for a block are issued before the other set's sums are stored and scaled, so
+             * the tile unit computes while the stores and the scaling run. */
+            for (int64_t kb = 0; kb < nb; kb++) {
+                const uint8_t *p0 = b0 + kb * BLK_B, *p1 = b1 + kb * BLK_B;
+                _tile_loadd(6, p0, 64);
+                if (two) _tile_loadd(7, p1, 64);
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int part = 0; part < 3; part++) {
+                    _tile_loadd(4, a0 + (kb * 3 + part) * TILE_B, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) _tile_dpbf16ps(1, 4, 7);
+                }
+                if (rows1) {
+                    if (kb) F32_SCALE(2, 3, 16, kb - 1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int part = 0; part < 3; part++) {
+                        _tile_loadd(5, a1 + (kb * 3 + part) * TILE_B, 64);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                F32_SCALE(0, 1, 0, kb);
+            }
+            if (rows1) F32_SCALE(2, 3, 16, nb - 1);
+            const int cols = w0 + w1;
+            for (int rr = 0; rr < rows0 + rows1; rr++)
+                memcpy(y + (r + rr) * ldy + c, acc + rr * 2 * NR, sizeof(float) * (size_t)cols);
+        }
+    }
+    _tile_release();
+}
+
+/* The fused decode step's "matmul_cols" entry (gguf_decode.c): columns [i0, i1) of y for the m rows that
+ * tandem_amx_f32_copy_x split into buf; qtype the panels' blocks' (Q4_1 or Q8_0). */
+void tandem_amx_f32_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0,
+                                int64_t i1, float *y, int64_t ldy) {
+    if (m > 0 && i0 < i1) f32_cols((const uint8_t *)buf, m, 0, m, w, qtype == Q4_1, k, i0, i1, y, ldy);
+}
+
+/* Rows of x a work item of the whole matmul takes: its two panels are read from memory once for all of them
+ * (a prefill chunk's 512 rows; on 30 layers of SmolLM2's projections at 512 rows, weights streamed, items of
+ * 128 and 256 rows took 1.09x and 1.05x as long). */
+#define ROW_BLOCK 512
+
+/* y [m, n] (row stride ldy) = x [m, k] @ W^T on `threads` threads: x split into buf
+ * (tandem_amx_f32_x_bytes(m, k) bytes), then work items of up to ROW_BLOCK rows by 32 columns handed out from a
+ * shared counter, a block of rows at a time. */
+void tandem_amx_f32_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w, int qtype, int64_t n, int64_t k,
+                           float *y, int64_t ldy, void *buf, int threads) {
+    const int64_t blocks = m * (k / KT), runs = (n + 2 * NR - 1) / (2 * NR), row_blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
+    int64_t next = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        tandem_amx_f32_copy_x(x, ldx, m, k, blocks * t / nt, blocks * (t + 1) / nt, buf);
+#pragma omp barrier
+        for (int64_t j; (j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < runs * row_blocks;) {
+            const int64_t c = j % runs * 2 * NR, r = j / runs * ROW_BLOCK;
+            f32_cols((const uint8_t *)buf, m, r, r + ROW_BLOCK < m ? r + ROW_BLOCK : m, w, qtype == Q4_1, k, c,
+                     c + 2 * NR < n ? c + 2 * NR : n, y, ldy);
         }
     }
 }

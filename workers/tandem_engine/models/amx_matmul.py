@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from tandem_engine.kernels.build import address, base_flags, cpu_flags, try_build
+from tandem_engine.models.gguf_linear import QuantizedWeight
 
 _SRC = (Path(__file__).parent / "amx_matmul.c").read_text()
 PANEL = 16  # output columns of a panel (amx_matmul.c's NR)
@@ -40,6 +42,51 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     return w.view(panels, PANEL, k // K_TILE, K_TILE // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+Q4_1, Q8_0 = 3, 8  # ggml's type ids of the blocks the float32 kernel reads
+BLOCK = 32  # weights of a block, along k
+# per panel and block: the bfloat16 tile of q, then 16 d and 16 m (amx_matmul.c's BLK_B)
+BLOCK_PANEL_BYTES = 1024 + 2 * PANEL * 4
+# Matmuls of at least this many rows take the float32 AMX kernel where a model has its copies; below it the
+# float32 panels, which read a Q4_1 weight's 0.625 bytes where this reads 2.25. SmolLM2's 30 layers of
+# projections, weights streamed, 2 threads of the AVX-512 Xeon: 16 rows 20.5 ms against the panels' 18.1, 24
+# rows 24.9 against 24.4, 32 rows 26.4 against 30.1.
+AMX_F32_FROM_ROWS = 32
+
+
+def block_values(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [n, k] weight's GGUF blocks (uint8 [n, k / 32 * block bytes]) as q [n, k], d [n, k / 32] and m
+    [n, k / 32] (zeros for Q8_0), float32: the weight is d * q + m (Q4_1) or d * q (Q8_0), blockwise."""
+    n = blocks.shape[0]
+    if qtype == Q4_1:
+        raw = blocks.reshape(n, -1, 20)
+        d, m = raw[..., 0:2].contiguous().view(torch.float16), raw[..., 2:4].contiguous().view(torch.float16)
+        qs = raw[..., 4:20]
+        q = torch.cat((qs & 15, qs >> 4), dim=-1)  # ggml: value j in byte j's low nibble, j + 16 in its high
+    elif qtype == Q8_0:
+        raw = blocks.reshape(n, -1, 34)
+        d = raw[..., 0:2].contiguous().view(torch.float16)
+        m = torch.zeros_like(d)
+        q = raw[..., 2:34].contiguous().view(torch.int8)
+    else:
+        raise ValueError(f"ggml type {qtype} is not Q4_1 or Q8_0")
+    return q.reshape(n, -1).float(), d.reshape(n, -1).float(), m.reshape(n, -1).float()
+
+
+def pack_amx_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A [n, k] weight's Q4_1 or Q8_0 blocks as the float32 AMX kernel's panels, uint8 [ceil(n / 16),
+    k / 32 * BLOCK_PANEL_BYTES]: per panel and block, q's bfloat16 tile (as `pack_amx` lays out a weight; q is
+    exact in bfloat16), then the 16 columns' d and m as float32. Columns past n are zero."""
+    q, d, m = block_values(blocks, qtype)
+    n, k = q.shape
+    panels, nb = -(-n // PANEL), k // BLOCK
+    tiles = pack_amx(q.to(torch.bfloat16)).view(torch.uint8).reshape(panels, nb, 1024)
+    scales = torch.zeros(2, panels * PANEL, nb)
+    scales[0, :n], scales[1, :n] = d, m
+    # [2, p, c, j] -> [p, j, 2, c]
+    scales = scales.view(2, panels, PANEL, nb).permute(1, 3, 0, 2).contiguous().view(torch.uint8)
+    return torch.cat((tiles, scales.reshape(panels, nb, -1)), dim=2).reshape(panels, -1).contiguous()
+
+
 class AmxKernel:
     """The built amx_matmul.c; threads as torch's."""
 
@@ -59,6 +106,39 @@ class AmxKernel:
                         "matmul_cols": address(lib, "tandem_amx_matmul_cols")}
         self.tile_cols = 2 * PANEL  # a tile's columns: runs of columns start on multiples of it
         self._buf = torch.empty(0, dtype=torch.uint8)
+        # The float32 kernel over Q4_1 and Q8_0 blocks (pack_amx_blocks).
+        self._f32 = lib.tandem_amx_f32_matmul
+        self._f32.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, p, i64, p, ctypes.c_int]
+        self._f32.restype = None
+        self._f32_x_bytes = lib.tandem_amx_f32_x_bytes
+        self._f32_x_bytes.argtypes = [i64, i64]
+        self._f32_x_bytes.restype = i64
+        self.f32_entries = {"quantize": address(lib, "tandem_amx_f32_copy_x"),
+                            "matmul_cols": address(lib, "tandem_amx_f32_matmul_cols")}
+
+    def f32_x_bytes(self, m: int, k: int) -> int:
+        """Bytes of the buffer m rows of k values are split into by the float32 kernel."""
+        return int(self._f32_x_bytes(m, k))
+
+    def f32_matmul(self, x: torch.Tensor, panels: torch.Tensor, n: int, qtype: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] float32 (rows at any stride, columns contiguous) @ W.T -> [m, n] float32 in float32
+        arithmetic, W's blocks packed by `pack_amx_blocks`. Into `out` (rows at any stride, columns contiguous)
+        if given."""
+        m, k = x.shape
+        if (x.dtype != torch.float32 or x.stride(1) != 1 or qtype not in (Q4_1, Q8_0) or panels.dtype != torch.uint8
+                or not panels.is_contiguous() or k % BLOCK or panels.shape[1] != k // BLOCK * BLOCK_PANEL_BYTES
+                or panels.shape[0] * PANEL < n):
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit AMX block panels {tuple(panels.shape)} of "
+                             f"{n} columns, type {qtype}")
+        if out is None:
+            out = torch.empty(m, n)
+        need = self.f32_x_bytes(m, k)
+        if self._buf.numel() < need:
+            self._buf = torch.zeros(need, dtype=torch.uint8)
+        self._f32(x.data_ptr(), x.stride(0), m, panels.data_ptr(), qtype, n, k, out.data_ptr(), out.stride(0),
+                  self._buf.data_ptr(), torch.get_num_threads())
+        return out
 
     def x_bytes(self, m: int, k: int) -> int:
         """Bytes of the buffer m rows of k values are rounded into."""
@@ -103,6 +183,25 @@ class AmxLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.matmul(x.float() if x.dtype != torch.float32 else x, self.panels, self.out_features)
+
+
+class AmxBlockLinear:
+    """A float32 projection's copy for the float32 AMX kernel, from the Q4_1 or Q8_0 blocks its weight was
+    dequantized from (one part per checkpoint tensor, rows in order, all of one type; the caller knows they
+    give the weight: PanelLinear checked them): y [rows, out] = x [rows, in] @ W.T + b in float32 arithmetic."""
+
+    def __init__(self, blocks: Sequence[QuantizedWeight], kernel: AmxKernel) -> None:
+        types = {b.qtype for b in blocks}
+        if len(types) != 1 or not types <= {Q4_1, Q8_0}:
+            raise ValueError(f"blocks of ggml types {sorted(types)}, not all Q4_1 or all Q8_0")
+        data = torch.cat([b.data for b in blocks])
+        self.out_features, self.kernel, self.qtype = data.shape[0], kernel, types.pop()
+        self.panels = pack_amx_blocks(data, self.qtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.kernel.f32_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels, self.out_features,
+                                   self.qtype)
+        return y if bias is None else y.add_(bias)
 
 
 def amx_unfit(flags: set[str] | None = None) -> str | None:

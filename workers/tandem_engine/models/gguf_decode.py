@@ -35,8 +35,8 @@ import torch
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
 from tandem_engine.kernels.build import base_flags, try_build
-from tandem_engine.models.amx_matmul import BF16, AmxKernel, amx_unfit, load_amx_kernel
-from tandem_engine.models.dense_matmul import F32, DenseKernel, load_dense_kernel
+from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, BF16, AmxKernel, amx_unfit, load_amx_kernel
+from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, load_dense_kernel
 from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.gguf_quantized import dense_blocks
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -117,14 +117,11 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
          for layer in linears])
 
 
-def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
+def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlocks | None) -> StepMatmuls:
     """The step's matmuls over panel copies of `model`'s projections (made here, once: use_panels), kept in
-    the GGUF blocks the weights were dequantized from where `model` came from a GGUF file (the same floats)."""
+    the GGUF blocks the weights were dequantized from where `blocks` has them (the same floats)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    if model.gguf_file is not None and not layers[0].panels:  # read the file once, not per ModelRunner
-        model.use_panels(kernel, dense_blocks(model.gguf_file, len(model.layers), model.tie_word_embeddings))
-    else:
-        model.use_panels(kernel)
+    model.use_panels(kernel, blocks)
     panels = [p for layer in layers for p in layer.panels.values()]
     if model.panel_head is not None:
         panels.append(model.panel_head)
@@ -135,6 +132,20 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel) -> StepMatmuls:
     return StepMatmuls(kind, kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
                        [{name: ([(p.panels, p.out_features, p.qtype)], p.out_features)
                          for name, p in layer.panels.items()} for layer in layers])
+
+
+def amx_f32_matmuls(model: LlamaForCausalLM, kernel: AmxKernel, blocks: DenseBlocks | None) -> StepMatmuls | None:
+    """The step's matmuls on the float32 AMX kernel, over copies of the blocks `model`'s panels keep (made
+    here from `blocks`, once: use_amx_f32); None if a projection has no copy."""
+    if blocks is not None:
+        model.use_amx_f32(kernel, blocks)
+    layers = [cast(DecoderLayer, layer) for layer in model.layers]
+    if any(len(layer.amx_f32) != len(_PROJECTIONS) for layer in layers):
+        return None
+    return StepMatmuls("float32 AMX matmuls over the same blocks", kernel.f32_entries, kernel.f32_x_bytes,
+                       kernel.tile_cols, DENSE_ROW_LIMIT,
+                       [{name: ([(a.panels, a.out_features, a.qtype)], a.out_features)
+                         for name, a in layer.amx_f32.items()} for layer in layers])
 
 
 def amx_matmuls(model: LlamaForCausalLM, kernel: AmxKernel) -> StepMatmuls:
@@ -161,7 +172,7 @@ class FusedDecodeStep:
     TorchAttentionBackend.heads_kernel)."""
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, matmuls: StepMatmuls, row_entries: dict[str, int],
-                 heads_kernel: int) -> None:
+                 heads_kernel: int, large: tuple[int, StepMatmuls] | None = None) -> None:
         self._fn = lib.tandem_gguf_decode
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
         self._fn.restype = ctypes.c_int
@@ -169,20 +180,16 @@ class FusedDecodeStep:
         first = layers[0]
         self.nq, self.nkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden, self.inter = model.hidden_size, first.inter
-        self.kind, self.row_limit, self._x_bytes = matmuls.kind, matmuls.row_limit, matmuls.x_bytes
+        self.row_limit = matmuls.row_limit
         self._keep: list[Any] = []  # what the C structures point into
-        # The step computes in float32: a bfloat16 model takes it only after `use_amx` (amx_matmuls) widened its
-        # norms and RoPE tables and made float32 its activations' dtype.
-        next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
-        table = (_Layer * len(layers))(*(
-            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
-                   norm.data_ptr())
-            for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
-        entries = {**matmuls.entries, **row_entries, "attention_heads": heads_kernel}
-        self._model = _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv,
-                             self.d, first.input_norm.data_ptr(), model.rope_cos.data_ptr(),
-                             model.rope_sin.data_ptr(), first.eps, first.scale, matmuls.col_align)
-        self._keep.append(table)
+        self._row_entries, self._heads_kernel = row_entries, heads_kernel
+        # (from rows, the model on those matmuls, their buffer's bytes): steps of at least `large`'s rows run
+        # on its matmuls (the float32 AMX kernel), others on `matmuls`.
+        self._models = [(0, self._c_model(model, matmuls), matmuls.x_bytes)]
+        self.kind = matmuls.kind
+        if large is not None:
+            self._models.insert(0, (large[0], self._c_model(model, large[1]), large[1].x_bytes))
+            self.kind += f"; from {large[0]} rows {large[1].kind}"
         self.max_positions = model.rope_cos.shape[0]
         self._widths = {"qkv": (self.nq + 2 * self.nkv) * self.d, "attn": self.nq * self.d, "o": self.hidden,
                         "gu": 2 * self.inter, "act": self.inter, "down": self.hidden}
@@ -195,6 +202,23 @@ class FusedDecodeStep:
         # None, or int64 [len(PHASES)] that every step adds each phase's nanoseconds to (bench/profile_step.py)
         self.phase_ns: torch.Tensor | None = None
 
+    def _c_model(self, model: LlamaForCausalLM, matmuls: StepMatmuls) -> _Model:
+        """gguf_decode.c's model_t for `model` with its projections on `matmuls`."""
+        layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        first = layers[0]
+        # The step computes in float32: a bfloat16 model takes it only after `use_amx` (amx_matmuls) widened its
+        # norms and RoPE tables and made float32 its activations' dtype.
+        next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
+        table = (_Layer * len(layers))(*(
+            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
+                   norm.data_ptr())
+            for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
+        entries = {**matmuls.entries, **self._row_entries, "attention_heads": self._heads_kernel}
+        self._keep.append(table)
+        return _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv, self.d,
+                      first.input_norm.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), first.eps,
+                      first.scale, matmuls.col_align)
+
     def _reserve(self, rows: int) -> None:
         """Work buffers for steps of up to `rows` rows."""
         if rows <= self._rows:
@@ -203,7 +227,7 @@ class FusedDecodeStep:
         self._work = {name: torch.empty(rows * w) for name, w in self._widths.items()}
         # zeroed: the tail the int8 matmul reads past the last rows is never written
         k = max(self._widths["attn"], self.hidden, self.inter)
-        self._xq = torch.zeros(self._x_bytes(rows, k), dtype=torch.uint8)
+        self._xq = torch.zeros(max(x_bytes(rows, k) for _, _, x_bytes in self._models), dtype=torch.uint8)
 
     def _proj(self, parts: list[tuple[torch.Tensor, int, int]], cols: int) -> _Proj:
         table = (_Part * len(parts))(*(_Part(data.data_ptr(), rows, qtype) for data, rows, qtype in parts))
@@ -255,7 +279,8 @@ class FusedDecodeStep:
                      w["qkv"].data_ptr(), w["attn"].data_ptr(), w["o"].data_ptr(), w["gu"].data_ptr(),
                      w["act"].data_ptr(), w["down"].data_ptr(), self._xq.data_ptr(), self._scratch.data_ptr(),
                      per_thread, None if self.phase_ns is None else self.phase_ns.data_ptr())
-        rc = self._fn(ctypes.byref(self._model), ctypes.byref(step), threads)
+        c_model = next(c for from_rows, c, _ in self._models if m >= from_rows)
+        rc = self._fn(ctypes.byref(c_model), ctypes.byref(step), threads)
         if rc:
             raise RuntimeError(f"gguf decode step failed ({rc})")
         return h
@@ -303,15 +328,18 @@ def load_decode_kernel(cache_dir: Path) -> ctypes.CDLL | None:
 
 
 def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype,
-                      cache_dir: Path) -> str | None:
+                      cache_dir: Path, amx_float32: bool = True) -> str | None:
     """From now on run `model`'s decode steps fused where they qualify (`model.decode_step`), with the
-    kernels built under `cache_dir`; or say why they cannot be (and leave the model as it was)."""
+    kernels built under `cache_dir`; or say why they cannot be (and leave the model as it was).
+    `amx_float32` (`--cpu-amx-float32`): a float32 model from a GGUF file, on a CPU with AMX, runs its matmuls
+    of AMX_F32_FROM_ROWS rows or more, fused steps and op by op, on the float32 AMX kernel."""
     reason = _unfit(model, backend, kv_dtype)
     if reason is not None:
         return reason
     lib = load_decode_kernel(cache_dir)
     if lib is None:
         return "its C kernel did not build"
+    large: tuple[int, StepMatmuls] | None = None
     if model.quantization == "gguf":
         matmuls = gguf_matmuls(model)
     elif model.dtype == torch.bfloat16:
@@ -323,8 +351,16 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
         dense = load_dense_kernel(cache_dir)
         if dense is None:
             return "the float32 panel kernel did not build"
-        matmuls = dense_matmuls(model, dense)
+        first = cast(DecoderLayer, model.layers[0])
+        # the file's blocks, read once (not again for a second ModelRunner over the same model)
+        blocks = None if model.gguf_file is None or first.panels else dense_blocks(
+            model.gguf_file, len(model.layers), model.tie_word_embeddings)
+        matmuls = dense_matmuls(model, dense, blocks)
+        amx = load_amx_kernel(cache_dir) if amx_float32 else None
+        f32 = None if amx is None else amx_f32_matmuls(model, amx, blocks)
+        if f32 is not None:
+            large = AMX_F32_FROM_ROWS, f32
     row_entries, heads_kernel = model.ops.row_entries, cast(TorchAttentionBackend, backend).heads_kernel
     assert row_entries is not None and heads_kernel is not None
-    model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, heads_kernel)
+    model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, heads_kernel, large)
     return None

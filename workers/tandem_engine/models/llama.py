@@ -25,8 +25,8 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
-from tandem_engine.models.amx_matmul import AmxKernel, AmxLinear
-from tandem_engine.models.dense_matmul import DenseBlocks, DenseKernel, PanelLinear
+from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, AmxBlockLinear, AmxKernel, AmxLinear
+from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, PanelLinear
 from tandem_engine.models.gguf_linear import QuantizedWeight
 from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
@@ -149,6 +149,9 @@ class DecoderLayer(nn.Module):
         self.panels: dict[str, PanelLinear] = {}
         # AMX copies of a bfloat16 model's projections, for its fused decode steps (models/amx_matmul.py).
         self.amx: dict[str, AmxLinear] = {}
+        # A float32 model's copies for the float32 AMX kernel, from the GGUF blocks its panels keep: they take
+        # the matmuls of AMX_F32_FROM_ROWS rows or more (`use_amx_f32`).
+        self.amx_f32: dict[str, AmxBlockLinear] = {}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
         """(weight [out, in], bias) of each projection, by name."""
@@ -196,6 +199,18 @@ class DecoderLayer(nn.Module):
             if norm is not None:
                 norm.data = norm.data.float()
 
+    def use_amx_f32(self, kernel: AmxKernel, blocks: dict[str, list[QuantizedWeight]]) -> None:
+        """Make float32 AMX copies (AmxBlockLinear) of the projections whose panels keep `blocks` (PanelLinear
+        checked that they give the weight). Matmuls of AMX_F32_FROM_ROWS rows or more then run on them, fewer
+        rows on the panels, so such a projection frees its oneDNN copy and its plain weight. Idempotent."""
+        for name, (weight, _) in self.projections().items():
+            panels = self.panels.get(name)
+            if name in self.amx_f32 or panels is None or panels.qtype == F32 or name not in blocks:
+                continue
+            self.amx_f32[name] = AmxBlockLinear(blocks[name], kernel)
+            self.packed[name] = None
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
     def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] through projection `name` -> [T, out]: quantized if it is, else dense."""
         q = self.quantized.get(name)
@@ -205,6 +220,9 @@ class DecoderLayer(nn.Module):
         if amx is not None:  # float32 rows, bfloat16 weights (use_amx)
             y = amx(x)
             return y if bias is None else y.add_(bias)
+        amx_f32 = self.amx_f32.get(name)
+        if amx_f32 is not None and x.shape[0] >= AMX_F32_FROM_ROWS:
+            return amx_f32(x, bias)
         panels, packed = self.panels.get(name), self.packed.get(name)
         if panels is not None and (x.shape[0] <= panels.kernel.max_rows or packed is None):
             return panels(x, bias)
@@ -308,6 +326,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None
         self.panel_head: PanelLinear | None = None  # the head on the panel kernel (`use_panels`)
         self.amx_head: AmxLinear | None = None  # a bfloat16 model's head on AMX (`use_amx`)
+        self.amx_f32_head: AmxBlockLinear | None = None  # a float32 head's AMX copy (`use_amx_f32`)
         # What the residual stream and every op but the matmuls compute in: the weights' dtype, or float32
         # for a bfloat16 model on AMX (`use_amx`).
         self.act_dtype = dtype
@@ -367,6 +386,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         if self.quantized_head is not None:
             return self.quantized_head(hidden)
+        if self.amx_f32_head is not None and hidden.shape[0] >= AMX_F32_FROM_ROWS:
+            return self.amx_f32_head(hidden)
         if self.panel_head is not None:
             return self.panel_head(hidden)
         if self.amx_head is not None:
@@ -403,6 +424,16 @@ class LlamaForCausalLM(nn.Module):
         self.norm.data = self.norm.data.float()
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         self.act_dtype = torch.float32
+
+    def use_amx_f32(self, kernel: AmxKernel, blocks: DenseBlocks) -> None:
+        """After `use_panels` with `blocks`: float32 AMX copies of the projections and the head whose panels
+        keep their blocks, for matmuls of AMX_F32_FROM_ROWS rows or more (models/amx_matmul.py: float32
+        arithmetic, each x split into three bfloat16 parts). Idempotent."""
+        for i, layer in enumerate(self.layers):
+            cast(DecoderLayer, layer).use_amx_f32(kernel, blocks.layers[i])
+        head = self.panel_head
+        if self.amx_f32_head is None and head is not None and head.qtype != F32 and blocks.head is not None:
+            self.amx_f32_head = AmxBlockLinear([blocks.head], kernel)
 
     def use_fused_ops(self, ops: FusedOps) -> None:
         """Run the residual adds, norms and activation through `ops` (the C kernels where they apply)."""

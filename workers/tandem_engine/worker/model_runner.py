@@ -68,7 +68,8 @@ class ModelRunner:
         self.sampler = Sampler(ops.argmax)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path)
+        why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path,
+                                amx_float32=config.cpu_amx_float32)
         if (step := self.model.decode_step) is not None:
             rows = f"fewer than {step.row_limit}" if step.row_limit < DENSE_ROW_LIMIT else "any number"
             logger.info("[startup] decode steps fused: one C call per step of only decode rows, %s, on %s "
