@@ -247,51 +247,61 @@ void tandem_amx_f32_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, in
     }
 }
 
-/* acc rows [0, rows) of 16 columns += d * s (+ m * the rows' block sums, Q4_1). */
-static inline __attribute__((always_inline)) void scale_rows_n(float *acc, const float *s, int rows, const float *dm,
-                                                               const float *sums, int64_t nb, int has_m) {
+/* Rows [0, rows) of 16 columns: out = acc + d * s (+ m * the rows' block sums, Q4_1), acc taken as zero for
+ * a panel's first block; out is acc itself (row stride 32) or, after its last block, y. */
+static inline __attribute__((always_inline)) void scale_rows_n(float *out, int64_t ldo, const float *acc,
+                                                               const float *s, int rows, const float *dm,
+                                                               const float *sums, int64_t nb, int has_m, int first) {
     const __m512 d = _mm512_loadu_ps(dm), mm = _mm512_loadu_ps(dm + NR);
     for (int r = 0; r < rows; r++) {
-        __m512 a = _mm512_fmadd_ps(d, _mm512_load_ps(s + r * NR), _mm512_load_ps(acc + r * 2 * NR));
+        __m512 a = first ? _mm512_mul_ps(d, _mm512_load_ps(s + r * NR))
+                         : _mm512_fmadd_ps(d, _mm512_load_ps(s + r * NR), _mm512_load_ps(acc + r * 2 * NR));
         if (has_m) a = _mm512_fmadd_ps(mm, _mm512_set1_ps(sums[r * nb]), a);
-        _mm512_store_ps(acc + r * 2 * NR, a);
+        _mm512_storeu_ps(out + r * ldo, a);
     }
 }
 
-/* The same, with the loop's count known to the compiler for whole tiles. */
-static inline void scale_rows(float *acc, const float *s, int rows, const float *dm, const float *sums, int64_t nb,
-                              int has_m) {
-    if (rows == 16 && has_m)
-        scale_rows_n(acc, s, 16, dm, sums, nb, 1);
-    else if (rows == 16)
-        scale_rows_n(acc, s, 16, dm, sums, nb, 0);
+/* The same, with the loop's count and the flags known to the compiler in the common cases. */
+static inline void scale_rows(float *out, int64_t ldo, const float *acc, const float *s, int rows, const float *dm,
+                              const float *sums, int64_t nb, int has_m, int first) {
+    if (rows == 16 && has_m && !first)
+        scale_rows_n(out, ldo, acc, s, 16, dm, sums, nb, 1, 0);
+    else if (rows == 16 && !has_m && !first)
+        scale_rows_n(out, ldo, acc, s, 16, dm, sums, nb, 0, 0);
     else
-        scale_rows_n(acc, s, rows, dm, sums, nb, has_m);
+        scale_rows_n(out, ldo, acc, s, rows, dm, sums, nb, has_m, first);
 }
 
 /* f32_cols' step that stores the sums of one tile of rows (tiles t0 and t1: its two panels) for block kb,
- * then scales them into acc (its rows from `row`). */
-#define F32_SCALE(t0, t1, row, kb)                                                                      \
-    do {                                                                                                \
-        const int rows_ = (row) ? rows1 : rows0;                                                        \
-        const float *sk_ = sums + (r + (row)) * nb + (kb);                                              \
-        _tile_stored(t0, s[0], NR * 4);                                                                 \
-        scale_rows(acc + (row) * 2 * NR, s[0], rows_, (const float *)(b0 + (kb) * BLK_B + TILE_B), sk_, \
-                   nb, has_m);                                                                          \
-        if (two) {                                                                                      \
-            _tile_stored(t1, s[1], NR * 4);                                                             \
-            scale_rows(acc + (row) * 2 * NR + NR, s[1], rows_, (const float *)(b1 + (kb) * BLK_B + TILE_B), \
-                       sk_, nb, has_m);                                                                 \
-        }                                                                                               \
+ * then scales them into acc (its rows from `row`); after the last block, into y where a panel is whole. */
+#define F32_SCALE(t0, t1, row, kb)                                                                           \
+    do {                                                                                                     \
+        const int rows_ = (row) ? rows1 : rows0, last_ = (kb) == nb - 1;                                     \
+        const float *sk_ = sums + (r + (row)) * nb + (kb);                                                   \
+        float *a_ = acc + (row) * 2 * NR;                                                                    \
+        float *y_ = y + (r + (row)) * ldy + c;                                                               \
+        _tile_stored(t0, s[0], NR * 4);                                                                      \
+        scale_rows(last_ && w0 == NR ? y_ : a_, last_ && w0 == NR ? ldy : 2 * NR, a_, s[0], rows_,           \
+                   (const float *)(b0 + (kb) * BLK_B + TILE_B), sk_, nb, has_m, (kb) == 0);                  \
+        if (two) {                                                                                           \
+            _tile_stored(t1, s[1], NR * 4);                                                                  \
+            scale_rows(last_ && w1 == NR ? y_ + NR : a_ + NR, last_ && w1 == NR ? ldy : 2 * NR, a_ + NR, s[1], \
+                       rows_, (const float *)(b1 + (kb) * BLK_B + TILE_B), sk_, nb, has_m, (kb) == 0);       \
+        }                                                                                                    \
     } while (0)
 
 /* Output columns [c0, c1) of y for the m rows split into buf, over the block panels w (qtype Q4_1 or Q8_0);
  * c0 a multiple of 16. Tiles of up to 32 rows by two panels: per block of 32 in k, up to twelve tile
- * products into four tiles, which are then scaled into float32 sums kept in a 4 KB buffer. */
+ * products into four tiles, which are then scaled into float32 sums kept in a 4 KB buffer (and, after the
+ * last block, stored into y). */
 static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, const uint8_t *w, int has_m, int64_t k,
                      int64_t c0, int64_t c1, float *y, int64_t ldy) {
     const int64_t nb = k / KT, rows_all = (m + 15) / 16 * 16, panel_bytes = nb * BLK_B;
     const float *sums = (const float *)(buf + rows_all * k * 2 * 3);
+    /* A decode step's rows: each panel is read for one pair of row tiles, so the kernel requests its next
+     * blocks itself (SmolLM2's 30 layers at 32 rows, weights streamed: 0.95x the time; with more rows, where the
+     * panels are read again from cache, 1.03x). */
+    const int once = r1 - r0 <= 32;
     _Alignas(64) float acc[32 * 2 * NR];
     _Alignas(64) float s[2][16 * NR];
     load_config();
@@ -303,7 +313,6 @@ static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, cons
             const int rows0 = (int)(r1 - r < 16 ? r1 - r : 16);
             const int rows1 = r1 - r > 16 ? (int)(r1 - r - 16 < 16 ? r1 - r - 16 : 16) : 0;
             const uint8_t *a0 = buf + r / 16 * nb * 3 * TILE_B, *a1 = a0 + nb * 3 * TILE_B;
-            memset(acc, 0, sizeof acc);
             /* The panels' two sets of sums take turns: one set's products for a block are issued before the
              * other set's sums of the block before are stored and scaled, so the tile unit is never idle
              * waiting for a store. */
@@ -312,6 +321,11 @@ static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, cons
              * the tile unit computes while the stores and the scaling run. */
             for (int64_t kb = 0; kb < nb; kb++) {
                 const uint8_t *p0 = b0 + kb * BLK_B, *p1 = b1 + kb * BLK_B;
+                if (once && kb + 2 < nb) /* panels read for one pair of row tiles only: their lines two blocks on */
+                    for (int l = 0; l < BLK_B / 64; l++) {
+                        _mm_prefetch((const char *)(p0 + 2 * BLK_B + l * 64), _MM_HINT_T0);
+                        if (two) _mm_prefetch((const char *)(p1 + 2 * BLK_B + l * 64), _MM_HINT_T0);
+                    }
                 _tile_loadd(6, p0, 64);
                 if (two) _tile_loadd(7, p1, 64);
                 _tile_zero(0);
@@ -334,9 +348,12 @@ static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, cons
                 F32_SCALE(0, 1, 0, kb);
             }
             if (rows1) F32_SCALE(2, 3, 16, nb - 1);
-            const int cols = w0 + w1;
-            for (int rr = 0; rr < rows0 + rows1; rr++)
-                memcpy(y + (r + rr) * ldy + c, acc + rr * 2 * NR, sizeof(float) * (size_t)cols);
+            if (w0 < NR) /* a partial panel (then alone): its columns from acc */
+                for (int rr = 0; rr < rows0 + rows1; rr++)
+                    memcpy(y + (r + rr) * ldy + c, acc + rr * 2 * NR, sizeof(float) * (size_t)w0);
+            else if (two && w1 < NR)
+                for (int rr = 0; rr < rows0 + rows1; rr++)
+                    memcpy(y + (r + rr) * ldy + c + NR, acc + rr * 2 * NR + NR, sizeof(float) * (size_t)w1);
         }
     }
     _tile_release();
@@ -349,10 +366,11 @@ void tandem_amx_f32_matmul_cols(const void *buf, int64_t m, const uint8_t *w, in
     if (m > 0 && i0 < i1) f32_cols((const uint8_t *)buf, m, 0, m, w, qtype == Q4_1, k, i0, i1, y, ldy);
 }
 
-/* Rows of x a work item of the whole matmul takes: its two panels are read from memory once for all of them
- * (a prefill chunk's 512 rows; on 30 layers of SmolLM2's projections at 512 rows, weights streamed, items of
- * 128 and 256 rows took 1.09x and 1.05x as long). */
-#define ROW_BLOCK 512
+/* Rows of x a work item of the whole matmul takes: their split rows (128 x 1536 x 6 bytes at most for SmolLM2)
+ * stay in L2 while the item's two panels are read once from memory for all of them. On 30 layers of SmolLM2's
+ * projections at 512 rows, weights streamed, 2 threads: items of 256 and 512 rows took 1.04x and 1.14x as
+ * long. */
+#define ROW_BLOCK 128
 
 /* y [m, n] (row stride ldy) = x [m, k] @ W^T on `threads` threads: x split into buf
  * (tandem_amx_f32_x_bytes(m, k) bytes), then work items of up to ROW_BLOCK rows by 32 columns handed out from a
