@@ -5,9 +5,12 @@ workload's FLOPs, and the fastest any engine could serve it here.
 
 Every engine computes the same projections for the same tokens (prompt tokens skip the LM head). The
 floor is: prompt tokens at the measured large-M rate, plus one decode step per output token at the
-measured rate for M = batch, each the best of torch's matmuls (plain and oneDNN-packed) and tandem's own
-float32 panel kernel (models/dense_matmul.py), which is faster at decode shapes: the ceiling is what the
-fastest matmul known here allows. Attention, norms and sampling are left out, so the ceiling is generous.
+measured rate for M = batch, each the best of torch's matmuls (plain and oneDNN-packed), tandem's own
+float32 panel kernel (models/dense_matmul.py), which is faster at decode shapes, and on a CPU with AMX
+tandem's float32 AMX kernel over GGUF blocks (models/amx_matmul.py; float32 arithmetic on the tile unit,
+measured on the weights quantized as the embedded model's file holds them: Q4_1, the head Q8_0): the
+ceiling is what the fastest float32 matmul known here allows. Attention, norms and sampling are left out, so
+the ceiling is generous.
 `bench/serving.py` runs this first and reports both engines against the ceiling in the same run.
 """
 
@@ -23,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType, quants
 
 from tandem_engine.models import packed_linear
+from tandem_engine.models.amx_matmul import AmxBlockLinear, AmxKernel, load_amx_kernel
 from tandem_engine.models.dense_matmul import DenseKernel, load_dense_kernel, pack_panels
+from tandem_engine.models.gguf_linear import QuantizedWeight
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
 MODEL = "smollm2-135m-instruct"
@@ -62,18 +68,26 @@ def _time(fn: Any, min_s: float = 0.4) -> float:
 
 
 def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool, packed: bool = False,
-         panels: DenseKernel | None = None) -> float:
+         panels: DenseKernel | None = None, amx: AmxKernel | None = None) -> float:
     """GFLOP/s of one layer's projections (and the LM head) for m tokens: weights as `nn.Linear` holds them,
     or (`packed`) reordered once into oneDNN's blocked layout, as tandem's model runner does for prefill, or
-    (`panels`) in tandem's own float32 panels on that kernel, as its fused decode steps run them."""
+    (`panels`) in tandem's own float32 panels on that kernel, as its fused decode steps run them, or (`amx`)
+    in Q4_1 blocks (the head Q8_0) on tandem's float32 AMX kernel."""
     layer, lm, _ = shapes(cfg)
     mats = [(o, k) for o, k in layer] + ([lm] if head else [])
     ws = [torch.randn(o, k, dtype=dtype) for o, k in mats]
     ps = [packed_linear.pack(w) if packed else None for w in ws]
     pn = [pack_panels(w) for w in ws] if panels else []
+    qtypes = [GGMLQuantizationType.Q4_1] * len(layer) + [GGMLQuantizationType.Q8_0] * head
+    am = [AmxBlockLinear([QuantizedWeight(int(t), torch.from_numpy(quants.quantize(w.numpy(), t)), w.shape[1])],
+                         amx) for w, t in zip(ws, qtypes, strict=True)] if amx else []
     xs = {k: torch.randn(m, k, dtype=dtype) for _, k in mats}
 
     def run() -> None:
+        if amx:
+            for w, a in zip(ws, am, strict=True):
+                a(xs[w.shape[1]])
+            return
         if panels:
             for w, p in zip(ws, pn, strict=True):
                 panels.matmul(xs[w.shape[1]], p, w.shape[0])
@@ -131,6 +145,11 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 20
         if kernel is not None:
             for m in (prefill_chunk, batch):
                 r = res["gflops"][f"{name} tandem panels M={m}"] = rate(cfg, m, dt, m == batch, panels=kernel)
+                big, small = (max(big, r), small) if m == prefill_chunk else (big, max(small, r))
+        amx = load_amx_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None
+        if amx is not None:
+            for m in (prefill_chunk, batch):
+                r = res["gflops"][f"{name} tandem AMX M={m}"] = rate(cfg, m, dt, m == batch, amx=amx)
                 big, small = (max(big, r), small) if m == prefill_chunk else (big, max(small, r))
         floor_s = prompt_tokens * prompt_f / (big * 1e9) + out_tokens * decode_f / (small * 1e9)
         res["ceiling_output_tok_s"][f"{name}, {EACH_SHAPE}"] = out_tokens / floor_s

@@ -14,6 +14,7 @@ from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.kv_transfer.factory import make_connector
 from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
 from tandem_engine.kv_transfer.nixl_connector import new_engine_id
+from tandem_engine.models.amx_matmul import expects_amx_float32
 from tandem_engine.models.loader import load_model, pick_dtype, resolve_model
 from tandem_engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
@@ -30,8 +31,11 @@ class EngineCore:
         src = resolve_model(config.model, config.cache_path)
         # CUDA when present (Triton attention); otherwise the CPU with the torch/C attention backend.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(src, pick_dtype(config.dtype, config.quantization), self.device,
-                            onednn_pack=config.onednn_pack, quantization=config.quantization)
+        dtype = pick_dtype(config.dtype, config.quantization)
+        # oneDNN's packed copies are not made where the float32 AMX kernel will take the matmuls they serve
+        amx = expects_amx_float32(src.kind == "gguf", dtype, config.quantization, self.device, config.cpu_amx_float32)
+        loaded = load_model(src, dtype, self.device, onednn_pack=config.onednn_pack and not amx,
+                            quantization=config.quantization)
         self.dtype = loaded.dtype
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)

@@ -40,10 +40,12 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     if k % K_TILE:
         raise ValueError(f"k = {k} is not a multiple of {K_TILE}")
     panels = -(-n // PANEL)
-    w = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
-    w[:n] = weight
+    w = weight
+    if n % PANEL:
+        w = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
+        w[:n] = weight
     # [p, c, j, i, 2] -> [p, j, i, c, 2]
-    return w.view(panels, PANEL, k // K_TILE, K_TILE // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return w.reshape(panels, PANEL, k // K_TILE, K_TILE // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 Q4_1, Q8_0 = 3, 8  # ggml's type ids of the blocks the float32 kernel reads
@@ -58,8 +60,9 @@ AMX_F32_FROM_ROWS = 32
 
 
 def block_values(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A [n, k] weight's GGUF blocks (uint8 [n, k / 32 * block bytes]) as q [n, k], d [n, k / 32] and m
-    [n, k / 32] (zeros for Q8_0), float32: the weight is d * q + m (Q4_1) or d * q (Q8_0), blockwise."""
+    """A [n, k] weight's GGUF blocks (uint8 [n, k / 32 * block bytes]) as q [n, k] (uint8 for Q4_1, int8 for
+    Q8_0), d [n, k / 32] and m [n, k / 32] (zeros for Q8_0), float32: the weight is d * q + m (Q4_1) or d * q
+    (Q8_0), blockwise."""
     n = blocks.shape[0]
     if qtype == Q4_1:
         raw = blocks.reshape(n, -1, 20)
@@ -73,7 +76,7 @@ def block_values(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.
         q = raw[..., 2:34].contiguous().view(torch.int8)
     else:
         raise ValueError(f"ggml type {qtype} is not Q4_1 or Q8_0")
-    return q.reshape(n, -1).float(), d.reshape(n, -1).float(), m.reshape(n, -1).float()
+    return q.reshape(n, -1), d.reshape(n, -1).float(), m.reshape(n, -1).float()
 
 
 def pack_amx_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -206,6 +209,14 @@ class AmxBlockLinear:
         y = self.kernel.f32_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels, self.out_features,
                                    self.qtype)
         return y if bias is None else y.add_(bias)
+
+
+def expects_amx_float32(gguf: bool, dtype: torch.dtype, quantization: str, device: torch.device,
+                        enabled: bool) -> bool:
+    """Whether a model loaded so will take float32 AMX copies (gguf_decode.fuse_decode_steps with
+    `--cpu-amx-float32`), which take every matmul oneDNN's packed copies would: then those are not made."""
+    return (enabled and gguf and dtype == torch.float32 and quantization == "none" and device.type == "cpu"
+            and amx_unfit() is None)
 
 
 def amx_unfit(flags: set[str] | None = None) -> str | None:
