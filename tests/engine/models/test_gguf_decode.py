@@ -488,6 +488,32 @@ def test_keys_and_values_round_into_a_16_bit_cache_as_torch_rounds(
     assert not out[:3].view(torch.int16).any()  # nothing before `at`
 
 
+@pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")
+def test_the_engine_packs_for_onednn_only_where_the_float32_amx_kernel_does_not_take_the_model(
+        tmp_path: Path) -> None:
+    """A float32 GGUF model on a CPU with AMX: its projections on the kernel, no oneDNN copies made; with the
+    fused step refused (the C attention kernel off) the kernel takes nothing and oneDNN packs as before; with
+    --no-onednn-pack nothing is packed either way."""
+    path = tiny_gguf(tmp_path / "tiny.gguf", Q4_1)
+
+    def model(**kw: Any) -> LlamaForCausalLM:
+        core = EngineCore(EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path), block_size=BS,
+                                       num_kv_blocks=64, **kw))
+        core.shutdown()
+        return core.runner.model
+
+    def packed(m: LlamaForCausalLM) -> set[str]:
+        return {n for layer in m.layers for n, p in cast(DecoderLayer, layer).packed.items() if p is not None}
+
+    on = model()
+    assert on.uses_amx_float32 and not packed(on)
+    refused = model(cpu_attention_kernel=False)
+    assert not refused.uses_amx_float32 and packed(refused) == {"qkv", "o", "gate_up", "down"}
+    assert not packed(model(cpu_attention_kernel=False, onednn_pack=False))
+    off = model(cpu_amx_float32=False)
+    assert not off.uses_amx_float32 and packed(off) == {"qkv", "o", "gate_up", "down"}
+
+
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_greedy_tokens_through_the_engine_are_the_same_either_way(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, kv: str) -> None:

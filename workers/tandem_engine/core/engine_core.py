@@ -40,6 +40,8 @@ class EngineCore:
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.runner = ModelRunner(config, loaded, self.max_model_len, self.device)
+        if amx and config.onednn_pack and not loaded.model.uses_amx_float32:
+            loaded.model.prepack(self.device)  # the kernel did not take the model after all (its step refused)
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size
         if usable_tokens < self.max_model_len:
             raise ValueError(

@@ -425,6 +425,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         self.act_dtype = torch.float32
 
+    @property
+    def uses_amx_float32(self) -> bool:
+        """Whether projections run on the float32 AMX kernel (`use_amx_f32`)."""
+        return any(cast(DecoderLayer, layer).amx_f32 for layer in self.layers)
+
     def use_amx_f32(self, kernel: AmxKernel, blocks: DenseBlocks) -> None:
         """After `use_panels` with `blocks`: float32 AMX copies of the projections and the head whose panels
         keep their blocks, for matmuls of AMX_F32_FROM_ROWS rows or more (models/amx_matmul.py: float32
