@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import MODEL, bench_main, describe
+from harness import MODEL, bench_main, describe, save_plot
 
 from tandem_engine.models import packed_linear
 from tandem_engine.models.amx_matmul import AmxBlockLinear, amx_unfit, block_values, load_amx_kernel
@@ -119,20 +119,16 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
-
     rows = [int(m) for m in res["rows"]]
-    fig = Figure(figsize=(7, 3.4))
-    ax = fig.subplots()
-    for n in KERNELS:
-        ax.plot(rows, [res["rows"][str(m)][n]["gflop_s"] for m in rows], marker="o", label=n)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("rows of x")
-    ax.set_ylabel("GFLOP/s (median pass)")
-    ax.set_title("SmolLM2's projections, float32 arithmetic, weights streamed")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+    def draw(ax: Any) -> None:
+        for n in KERNELS:
+            ax.plot(rows, [res["rows"][str(m)][n]["gflop_s"] for m in rows], marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows of x")
+
+    save_plot(path, (7, 3.4), "SmolLM2's projections, float32 arithmetic, weights streamed",
+              "GFLOP/s (median pass)", draw)
 
 
 def main() -> int:

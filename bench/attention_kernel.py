@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import MODEL, bench_main, describe
+from harness import MODEL, bench_main, describe, save_plot
 from profile_step import read_rate
 
 from tandem_engine.attention.torch_backend import build_kernel, kernel_scratch
@@ -173,22 +173,18 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
-
     layouts = list(res["layouts"])
     names = kernel_names(res)
-    fig = Figure(figsize=(7, 3))
-    ax = fig.subplots()
     width = 0.8 / len(names)
-    for i, n in enumerate(names):
-        xs = [j + i * width for j in range(len(layouts))]
-        ax.bar(xs, [res["layouts"][lo][n]["ms_median"] for lo in layouts], width, label=n)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(layouts))], layouts)
-    ax.set_ylabel("ms per decode step (median)")
-    ax.set_title("Paged attention, all layers, batch 32, float32 KV")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+    def draw(ax: Any) -> None:
+        for i, n in enumerate(names):
+            xs = [j + i * width for j in range(len(layouts))]
+            ax.bar(xs, [res["layouts"][lo][n]["ms_median"] for lo in layouts], width, label=n)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(layouts))], layouts)
+
+    save_plot(path, (7, 3), "Paged attention, all layers, batch 32, float32 KV", "ms per decode step (median)",
+              draw)
 
 
 def main() -> int:

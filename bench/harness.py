@@ -61,6 +61,21 @@ def write_results(name: str, res: dict[str, Any], table: str, plot: Callable[[di
     plot(res, RESULTS / f"{name}.png")
 
 
+def save_plot(path: Path, size: tuple[float, float], title: str, ylabel: str, draw: Callable[[Any], None]) -> None:
+    """One matplotlib axes, drawn by `draw(ax)`, titled and labelled, with the legend of what it drew, saved as
+    `path` (no pyplot: no GUI backend, no global figure state)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    ax = fig.subplots()
+    draw(ax)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 Runner = Callable[[argparse.Namespace, Path], Awaitable[dict[str, Any]]]
 
 

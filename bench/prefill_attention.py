@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from attention_kernel import build_pair, model_shapes, shapes_entry
-from harness import bench_main, describe
+from harness import bench_main, describe, save_plot
 
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 
@@ -146,22 +146,17 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
-
     base = f"baseline {res['config']['baseline']}"
     labels = [f"{b}\n{c}" for b, cases in res["builds"].items() for c in cases]
-    fig = Figure(figsize=(9, 3.4))
-    ax = fig.subplots()
     width = 0.4
-    for i, n in enumerate(("this tree", base)):
-        vals = [per[n]["ms_median"] for cases in res["builds"].values() for per in cases.values()]
-        ax.bar([j + i * width for j in range(len(vals))], vals, width, label=n)
-    ax.set_xticks([j + width / 2 for j in range(len(labels))], labels, fontsize=7)
-    ax.set_ylabel("ms per step, all layers (median)")
-    ax.set_title("Prefill attention kernel, float32")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+    def draw(ax: Any) -> None:
+        for i, n in enumerate(("this tree", base)):
+            vals = [per[n]["ms_median"] for cases in res["builds"].values() for per in cases.values()]
+            ax.bar([j + i * width for j in range(len(vals))], vals, width, label=n)
+        ax.set_xticks([j + width / 2 for j in range(len(labels))], labels, fontsize=7)
+
+    save_plot(path, (9, 3.4), "Prefill attention kernel, float32", "ms per step, all layers (median)", draw)
 
 
 def main() -> int:
