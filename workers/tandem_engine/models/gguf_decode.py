@@ -10,7 +10,9 @@ matmul given as two entry points (`StepMatmuls`): the int8 GGUF kernel (`gguf_ma
 same floats), the float32 panel kernel (`dense_matmuls`, models/dense_matmul.py: the same sums as oneDNN's
 in another order), or, for a bfloat16 model on a CPU with AMX, the bfloat16 tile kernel (`amx_matmuls`,
 models/amx_matmul.py: the step keeps the residual stream, norms and RoPE in float32, rounding only the
-matmul inputs and the KV cache to bfloat16, so it is nearer to float32 than op by op). The embedding
+matmul inputs and the KV cache to bfloat16, so it is nearer to float32 than op by op). A dense float32 step
+of AMX_F32_FROM_ROWS rows or more takes the float32 AMX kernel instead where the model has its copies
+(`amx_f32_matmuls`, models/amx_matmul.py: float32 arithmetic over the GGUF blocks). The embedding
 lookup and the head stay where they are (the head is one more region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
@@ -167,7 +169,8 @@ DENSE_ROW_LIMIT = 1 << 20
 
 class FusedDecodeStep:
     """A decode step of `model` in one call: x [T, hidden] (the embedded tokens, one per sequence) through
-    every layer and the final norm, the projections on `matmuls`. `row_entries`, `heads_kernel`: the fused
+    every layer and the final norm, the projections on `matmuls`, or on `large`'s matmuls for steps of at least
+    its rows. `row_entries`, `heads_kernel`: the fused
     row kernels' and the attention kernel's entry points (FusedOps.row_entries,
     TorchAttentionBackend.heads_kernel)."""
 
