@@ -120,6 +120,49 @@ def test_fused_steps_give_the_op_by_op_logits_and_cache(
     decode_against_op_by_op(model, backend, threads, kv, bit_for_bit)
 
 
+def chunks_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int, kv: torch.dtype,
+                            same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """Steps with prefill chunks in them, each run fused and op by op on a copy of the cache: `same` holds for
+    the logits of every row and for every cache. Over scattered blocks, A's 13-token prompt comes in two
+    chunks (7, then 6 over the 7 cached), B's 5 tokens at once and then decode rows, C's 2 tokens (a chunk
+    short enough that its rows attend one by one, as op by op) and D's 3 a step later; then a decode step of
+    all four. Every step is under the int8 GGUF kernel's 24 rows."""
+    steps = [{"A": (7, 7), "B": (5, 5)},
+             {"A": (6, 13), "B": (1, 6), "C": (2, 2)},
+             {"A": (1, 14), "B": (1, 7), "C": (1, 3), "D": (3, 3)},
+             {"A": (1, 15), "B": (1, 8), "C": (1, 4), "D": (1, 4)}]
+    pool = list(range(1, 64))
+    random.Random(threads).shuffle(pool)
+    tables = {seq: [pool.pop() for _ in range(4)] for seq in "ABCD"}
+    g = torch.Generator().manual_seed(threads)
+    fused = caches_for(model, kv)
+    ref = [(k.clone(), v.clone()) for k, v in fused]
+    with torch_threads(threads):
+        for step in steps:
+            q_lens, seq_lens = [q for q, _ in step.values()], [n for _, n in step.values()]
+            meta = make_meta(q_lens, seq_lens, [tables[seq] for seq in step], BS)
+            assert model.decode_step is not None and model.decode_step.refusal(meta, fused) is None
+            ids = torch.randint(3, TINY["vocab"], (sum(q_lens),), generator=g)
+            positions = positions_for(q_lens, seq_lens)
+            got = model.compute_logits(model(ids, positions, fused, meta, backend))
+            with op_by_op(model):
+                want = model.compute_logits(model(ids, positions, ref, meta, backend))
+            same(got, want)
+            for kv_got, kv_ref in zip(fused, ref, strict=True):
+                for a, b in zip(kv_got, kv_ref, strict=True):
+                    same(a, b)
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_steps_with_prefill_chunks_give_the_op_by_op_logits_and_cache(
+        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+    """A prefill chunk's rows attend in the fused step through the tiled prefill kernel's work items, handed
+    out by the step's own threads: the floats of the op-by-op path, which calls that kernel whole."""
+    model, backend, _ = tiny
+    chunks_against_op_by_op(model, backend, threads, kv, bit_for_bit)
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, TorchAttentionBackend, Path]:
     """The tiny model in float32 without --quantization, every C kernel on, decode steps fused."""
@@ -144,6 +187,7 @@ def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
     assert isinstance(step, FusedDecodeStep)
     assert step.kind == f"float32 panel matmuls, weights in {4 * TINY['layers'] + 1} float32 panels"  # an F32 file
     decode_against_op_by_op(model, backend, threads, kv, to_float_rounding)
+    chunks_against_op_by_op(model, backend, threads, kv, to_float_rounding)
 
 
 @pytest.fixture(scope="module")
@@ -312,10 +356,9 @@ def amx_pair(tmp_path_factory: pytest.TempPathFactory,
 def test_float32_amx_takes_the_matmuls_of_32_rows_and_more(
         amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AMX, a float32 model from a GGUF file runs its prefill projections (op by op) and its fused
-    decode steps of 32 rows or more on the float32 AMX kernel, fewer rows on the panels: logits and cache
-    within float32 rounding of the panels' everywhere, and the step's 40-row decode not bit for bit the
-    panels' (so the kernel did run)."""
+    """With AMX, a float32 model from a GGUF file runs its fused steps of 32 rows or more (a prefill, decode
+    steps) on the float32 AMX kernel, fewer rows on the panels: logits and cache within float32 rounding of
+    the panels' everywhere, and the 40-row decode step not bit for bit the panels' (so the kernel did run)."""
     amx, panels, backend = amx_pair
     step = cast(FusedDecodeStep, amx.decode_step)
     assert step.kind.endswith("; from 32 rows float32 AMX matmuls over the same blocks")
@@ -343,7 +386,7 @@ def test_float32_amx_takes_the_matmuls_of_32_rows_and_more(
         meta = make_meta(lens, lens, tables, BS)
         logits = {name: m.compute_logits(m(prompts, positions_for(lens, lens), caches[name], meta, backend))
                   for name, m in models.items()}
-        assert calls[sum(lens)] == 4 * TINY["layers"] + 1  # every projection of the prefill, and the head
+        assert calls[sum(lens)] == 1  # the head: the prefill's projections ran inside the fused step
         to_float_rounding(logits["amx"], logits["panels"])
         for s, rows in enumerate((n, n, 5)):  # two decode steps of 40 rows, one of 5
             seq_lens = [L + s + 1 for L in lens[:rows]]
@@ -414,6 +457,23 @@ def test_op_by_op_matmuls_past_the_panel_kernels_row_limit_run_on_onednn(
     assert onednn == [panels.kernel.max_rows + 1]
 
 
+def test_dense_steps_with_prefill_chunks_run_fused_only_where_the_panels_are_the_faster_matmul(
+        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
+    """Without the float32 AMX kernel, a step with a prefill chunk runs fused up to the panel kernel's row limit
+    (past it op by op runs oneDNN, faster there); decode steps of any size still run fused."""
+    model, _, _ = dense
+    step = cast(FusedDecodeStep, model.decode_step)
+    limit = cast(DecoderLayer, model.layers[0]).panels["o"].kernel.max_rows + 1
+    assert step.chunk_row_limit == limit
+    caches = kv_caches(TINY["layers"], 256, BS, TINY["kv_heads"], TINY["hidden"] // TINY["heads"], torch.float32)
+    tables = [[1 + i // BS] for i in range(limit)]
+    assert step.refusal(make_meta([limit - 8, 8], [limit - 8, 8], [list(range(1, limit // BS + 1)), [200, 201]],
+                                  BS), caches) == f"{limit} rows with a prefill chunk (fused below {limit})"
+    assert step.refusal(make_meta([limit - 9, 8], [limit - 9, 8], [list(range(1, limit // BS + 1)), [200, 201]],
+                                  BS), caches) is None
+    assert step.refusal(make_meta([1] * limit, [3] * limit, tables, BS), caches) is None
+
+
 def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
     model, backend, tmp = tiny
     step, caches = model.decode_step, caches_for(model)
@@ -424,7 +484,9 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
 
     assert step.refusal(decode(1), caches) is None and step.refusal(decode(23), caches) is None
     assert step.refusal(decode(24), caches) == "24 rows (fused below 24)"
-    assert step.refusal(make_meta([1, 3], [5, 3], [[1, 2], [3]], BS), caches) == "a prefill row in the batch"
+    assert step.refusal(make_meta([1, 3], [5, 3], [[1, 2], [3]], BS), caches) is None  # a decode row and a chunk
+    assert step.refusal(make_meta([20, 4], [20, 4], [[1, 2, 3, 4, 5], [6]], BS), caches) == (
+        "24 rows (fused below 24)")
     assert step.refusal(decode(2), caches_for(model, torch.bfloat16)) is None
     assert step.refusal(decode(2), caches_for(model, torch.float64)) == (
         "a float64 KV cache (fused: float32, bfloat16, float16)")
@@ -535,7 +597,8 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
     with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
         core = engine()
     try:
-        assert "decode steps fused: one C call per step of only decode rows, fewer than 24" in caplog.text
+        assert ("steps fused: one C call per step of decode rows and prefill chunks, fewer than 24 rows"
+                in caplog.text)
         fused, _ = serve(core, prompts, "f", 20)
         assert 4 in fused_calls  # the whole batch decoding, after the prefills
         n = len(fused_calls)
@@ -546,7 +609,7 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
         engine(cpu_fused_kernels=False).shutdown()
-    assert ("decode steps op by op: the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
+    assert ("steps op by op: the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
             in caplog.text)
 
 

@@ -700,6 +700,22 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
     }
 }
 
+/* Items lie in order of sequence, KV head and tile; later tiles attend to more keys, so the n-th item handed
+ * out is the (items - 1 - n)-th: the longest go first. */
+static void pf_nth_item(const pf_job *j, int64_t items, int64_t n, float *buf) {
+    int64_t s = 0, rest = items - 1 - n;
+    while (rest >= j->nkv * pf_tiles(j->q_lens[s])) rest -= j->nkv * pf_tiles(j->q_lens[s++]);
+    pf_item(j, s, (int)(rest / pf_tiles(j->q_lens[s])), rest % pf_tiles(j->q_lens[s]), buf);
+}
+
+/* The work items of n_seqs prefills of q_lens query tokens each, with nkv KV heads (for
+ * tandem_prefill_attention_item). */
+int64_t tandem_prefill_items(const int64_t *q_lens, int64_t n_seqs, int nkv) {
+    int64_t items = 0;
+    for (int64_t s = 0; s < n_seqs; s++) items += nkv * pf_tiles(q_lens[s]);
+    return items;
+}
+
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
     const int64_t rpad = pf_rpad(PF_TILE * g);
@@ -717,23 +733,31 @@ int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void
     if (kv_type != KV_F32 && kv_type != KV_BF16 && kv_type != KV_F16) return -1;
     const pf_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
                       out, nq, nkv, d, bs, scale};
-    int64_t items = 0;
-    for (int64_t s = 0; s < n_seqs; s++) items += nkv * pf_tiles(q_lens[s]);
+    const int64_t items = tandem_prefill_items(q_lens, n_seqs, nkv);
     const int64_t per_thread = tandem_prefill_scratch(nq / nkv, d);
     if (n_threads > items) n_threads = (int)items;
     if (n_threads < 1) n_threads = 1;
     #pragma omp parallel num_threads(n_threads)
     {
         float *buf = scratch + (int64_t)omp_get_thread_num() * per_thread;
-        /* Items in order of sequence, head, tile; later tiles attend to more keys, so they go first. */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = items - 1; it >= 0; it--) {
-            int64_t s = 0, rest = it;
-            while (rest >= nkv * pf_tiles(q_lens[s])) rest -= nkv * pf_tiles(q_lens[s++]);
-            pf_item(&j, s, (int)(rest / pf_tiles(q_lens[s])), rest % pf_tiles(q_lens[s]), buf);
-        }
+        for (int64_t n = 0; n < items; n++) pf_nth_item(&j, items, n, buf);
     }
     return 0;
+}
+
+/* The n-th of tandem_prefill_attention_kv's `items` work items on the calling thread, with buf
+ * (tandem_prefill_scratch floats): for a caller that shares the items out over threads of its own, as the
+ * fused step does (models/gguf_decode.c). The same floats as tandem_prefill_attention_kv's. The layout
+ * checks are the caller's (tandem_prefill_attention_kv's). */
+void tandem_prefill_attention_item(const float *q, int64_t q_tok_stride, const void *kc, const void *vc,
+                                   int kv_type, const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
+                                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
+                                   float *out, int nq, int nkv, int d, int bs, float scale, int64_t items,
+                                   int64_t n, float *buf) {
+    const pf_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
+                      out, nq, nkv, d, bs, scale};
+    pf_nth_item(&j, items, n, buf);
 }
 
 /* The same over a float32 cache (the entry bench/prefill_attention.py times against earlier revisions). */

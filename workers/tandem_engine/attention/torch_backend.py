@@ -67,7 +67,8 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
     `tandem_paged_attention` (decode rows over threads), `tandem_paged_attention_heads` (a head range of
     one row), `tandem_write_kv` (a step's keys and values into a float32 cache) and
-    `tandem_prefill_attention_kv` (float32 prefill chunks over any of those caches, tiled)."""
+    `tandem_prefill_attention_kv` (float32 prefill chunks over any of those caches, tiled; one work item of it
+    at a time: `tandem_prefill_attention_item`)."""
     return build_kernel(_KERNEL_SRC, cache_dir)
 
 
@@ -98,6 +99,9 @@ def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") ->
         lib.tandem_prefill_attention_kv.restype = i32
         lib.tandem_prefill_scratch.argtypes = [i32, i32]
         lib.tandem_prefill_scratch.restype = i64
+    if hasattr(lib, "tandem_prefill_items"):
+        lib.tandem_prefill_items.argtypes = [p, i64, i32]
+        lib.tandem_prefill_items.restype = i64
     return lib
 
 
@@ -164,10 +168,21 @@ class TorchAttentionBackend(AttentionBackend):
         self._scratch = torch.empty(0)
 
     @property
-    def heads_kernel(self) -> int | None:
-        """Where the kernel's head-range entry is (for the fused decode step, models/gguf_decode.py); None
+    def step_entries(self) -> dict[str, int] | None:
+        """Where the kernel's entries for the fused step (models/gguf_decode.py) are: a decode row's head range
+        (`attention_heads`) and one work item of the tiled prefill attention (`prefill_attention_item`); None
         when the kernel is off."""
-        return None if self._kernel is None else address(self._kernel, "tandem_paged_attention_heads")
+        if self._kernel is None:
+            return None
+        return {"attention_heads": address(self._kernel, "tandem_paged_attention_heads"),
+                "prefill_attention_item": address(self._kernel, "tandem_prefill_attention_item")}
+
+    def prefill_work(self, q_lens: torch.Tensor, nq: int, nkv: int, d: int) -> tuple[int, int]:
+        """(work items, scratch floats per thread) of the tiled prefill attention of chunks of q_lens [P] int64
+        contiguous query tokens, nq query heads over nkv KV heads of size d (the kernel must be on)."""
+        assert self._kernel is not None
+        return (self._kernel.tandem_prefill_items(q_lens.data_ptr(), q_lens.numel(), nkv),
+                self._kernel.tandem_prefill_scratch(nq // nkv, d))
 
     def write_kv(
         self,

@@ -1,22 +1,26 @@
-/* A whole decode step of a Llama-family model, under --quantization gguf or on the dense float32 path, in one
+/* A whole step of a Llama-family model, under --quantization gguf or on the dense float32 path, in one
  * OpenMP parallel region (see gguf_decode.py, which builds it with kernels/build.py and calls it through
- * ctypes; docs/architecture.md, "One C call per decode step" and "Dense decode steps in one call").
+ * ctypes; docs/architecture.md, "One C call per step" and "Dense decode steps in one call"). Its rows are
+ * decode rows (one new token of a sequence) and the rows of prefill chunks (several new tokens of one).
  *
- * For every layer and every row (one new token per sequence): q|k|v of the normed residual stream, RoPE,
- * K and V into the paged cache (float32, bfloat16 or float16, rounded as torch rounds), attention,
- * o + residual, the post-attention norm, gate|up, SiLU * up, down + residual and the next norm (the next
- * layer's input norm, or the final norm after the last layer).
+ * For every layer and every row: q|k|v of the normed residual stream, RoPE, K and V into the paged cache
+ * (float32, bfloat16 or float16, rounded as torch rounds), attention, o + residual, the post-attention norm,
+ * gate|up, SiLU * up, down + residual and the next norm (the next layer's input norm, or the final norm after
+ * the last layer). Every row's K and V are in the cache before any row attends, so a prefill row sees the
+ * chunk's earlier tokens.
  * The work itself is the other kernels' code, reached through function pointers (kernels_t): a matmul in
  * two halves (quantize x, then a range of output columns: gguf_matmul.c's int8 kernel, or
- * dense_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c and the
- * head-range attention of attention/paged_attention.c, each built with its own flags; so under gguf the step
- * computes the op-by-op path's floats. What this file adds is the threading, RoPE and the cache writes.
+ * dense_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c, and
+ * attention/paged_attention.c's head-range attention of a decode row and work items of its tiled prefill
+ * attention, each built with its own flags; so under gguf the step computes the op-by-op path's floats. What
+ * this file adds is the threading, RoPE and the cache writes.
  *
- * Why: run op by op, a step is ~150 parallel regions, and under OMP_WAIT_POLICY=PASSIVE (cpu_budget.py: an
- * idle engine must not spin) each one wakes sleeping threads. Here the threads are woken once per step and
- * meet between phases at a barrier of their own that spins a bounded while, then yields the CPU (a peer
- * may be descheduled where engines share cores). Matmuls hand out their output columns in runs (take_near), the
- * attention its (row, query head) items weighted by the row's context, the norms their rows. */
+ * Why: run op by op, a decode step is ~150 parallel regions and a prefill chunk ~300, and under
+ * OMP_WAIT_POLICY=PASSIVE (cpu_budget.py: an idle engine must not spin) each one wakes sleeping threads. Here
+ * the threads are woken once per step and meet between phases at a barrier of their own that spins a bounded
+ * while, then yields the CPU (a peer may be descheduled where engines share cores). Matmuls hand out their
+ * output columns in runs (take_near), the attention its decode rows' (row, query head) items weighted by the
+ * row's context and then the prefill tiles one by one, the norms their rows. */
 #include <math.h>
 #include <omp.h>
 #include <sched.h>
@@ -57,6 +61,12 @@ typedef struct { /* entry points of the other kernels (see the file comment) */
     void (*attention_heads)(const float *q, const void *kc, const void *vc, int kv_type, const int32_t *table,
                             int64_t klen, float *out, float *scratch, int nq, int nkv, int d, int bs, float scale,
                             int h0, int h1);
+    /* the n-th of `items` work items of the tiled causal attention of prefill chunks */
+    void (*prefill_attention_item)(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
+                                   const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
+                                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
+                                   float *out, int nq, int nkv, int d, int bs, float scale, int64_t items, int64_t n,
+                                   float *buf);
 } kernels_t;
 
 typedef struct {
@@ -70,11 +80,12 @@ typedef struct {
 } model_t;
 
 typedef struct {
-    int64_t m;                                 /* rows: sequences, one new token each */
+    int64_t m;                                 /* rows: one per new token */
     float *x, *h;                              /* [m, hidden]: the residual stream (updated in place), and
                                                   x through the final norm (written) */
-    const int64_t *positions, *slots, *klens;  /* [m]: position, cache slot, keys to attend (itself included) */
-    const int32_t *table;                      /* [m, table_stride] block table */
+    const int64_t *positions, *slots, *klens;  /* [m]: position, cache slot, keys to attend (itself included);
+                                                  klens 0: a row of a prefill chunk (below) */
+    const int32_t *table;                      /* [m, table_stride] each row's block table */
     int64_t table_stride, bs;
     int64_t kv_type;                           /* what the caches hold: 0 float32, 1 bfloat16, 2 float16 (the
                                                   attention kernel's kv_type) */
@@ -88,6 +99,13 @@ typedef struct {
     int64_t *phase_ns;                         /* NULL, or [N_PHASES] nanoseconds to add each phase's wall
                                                   time to (as thread 0 sees it, its wait at the barrier
                                                   included): bench/profile_step.py */
+    /* Prefill chunks (sequences of more than one new token), whose rows attend through the tiled prefill
+     * kernel: per chunk, its row of the block table pf_table, its first row, its rows and its tokens in all
+     * (cached ones and these); pf_items: that kernel's work items for them all (0: none). */
+    int64_t pf_items;
+    const int64_t *pf_seq_ids, *pf_q_starts, *pf_q_lens, *pf_seq_lens;
+    const int32_t *pf_table;
+    int64_t pf_table_stride;
 } step_t;
 
 /* The phases of a layer, as step_t.phase_ns counts them: q|k|v with RoPE and the cache writes, attention,
@@ -278,16 +296,19 @@ static void project_runs(const model_t *md, const proj_t *p, const void *xq, int
         project(&md->k, p, xq, m, kdim, c, c + chunk < n ? c + chunk : n, y);
 }
 
-/* Thread t's (row, query head) items: a contiguous run of them, cut by cost (the row's keys + ITEM_KEYS),
- * so a row's heads mostly stay together. */
-static void attention_phase(const model_t *md, const step_t *s, const void *kc, const void *vc, int t, int nt) {
+/* Decode rows: thread t's (row, query head) items, a contiguous run of them, cut by cost (the row's keys +
+ * ITEM_KEYS), so a row's heads mostly stay together. Then the prefill chunks' tiles, handed out one at a
+ * time, the longest first (they even out what the static shares left uneven). */
+static void attention_phase(const model_t *md, const step_t *s, const void *kc, const void *vc, barrier_t *bar,
+                            int t, int nt) {
     const int64_t nq = md->nq, d = md->d, ld = (nq + 2 * md->nkv) * d;
     int64_t total = 0;
-    for (int64_t r = 0; r < s->m; r++) total += nq * (s->klens[r] + ITEM_KEYS);
+    for (int64_t r = 0; r < s->m; r++) total += s->klens[r] ? nq * (s->klens[r] + ITEM_KEYS) : 0;
     const int64_t lo = share(total, t, nt), hi = share(total, t + 1, nt);
     float *sc = s->scratch + t * s->scratch_per_thread;
     int64_t base = 0; /* the cost of the rows before r */
     for (int64_t r = 0; r < s->m && base < hi; r++) {
+        if (!s->klens[r]) continue;
         const int64_t w = s->klens[r] + ITEM_KEYS;
         /* items h with lo <= base + h w < hi */
         const int64_t h0 = lo > base ? (lo - base + w - 1) / w : 0;
@@ -298,6 +319,10 @@ static void attention_phase(const model_t *md, const step_t *s, const void *kc, 
                                   (int)h0, (int)h1);
         base += nq * w;
     }
+    for (int64_t n; (n = take(bar, s->pf_items, 1)) < s->pf_items;)
+        md->k.prefill_attention_item(s->qkv, ld, kc, vc, (int)s->kv_type, s->pf_table, s->pf_table_stride,
+                                     s->pf_seq_ids, s->pf_q_starts, s->pf_q_lens, s->pf_seq_lens, s->attn, (int)nq,
+                                     (int)md->nkv, (int)d, (int)s->bs, md->scale, s->pf_items, n, sc);
 }
 
 static int64_t now_ns(void) {
@@ -327,7 +352,7 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
         void *kc = s->kv[2 * l], *vc = s->kv[2 * l + 1];
         qkv_phase(md, s, L, kc, vc, bar, t, nt);
         end_phase(s, bar, t, nt, PH_QKV, &since);
-        attention_phase(md, s, kc, vc, t, nt);
+        attention_phase(md, s, kc, vc, bar, t, nt);
         end_phase(s, bar, t, nt, PH_ATTENTION, &since);
         k->quantize(s->attn, nqd, m, nqd, share(m * nqd / QK, t, nt), share(m * nqd / QK, t + 1, nt), s->xq);
         end_phase(s, bar, t, nt, PH_ATTENTION_OUT, &since);
@@ -354,11 +379,12 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
     }
 }
 
-/* One decode step (see the file comment) on up to `threads` threads. Returns 0, or -1 for shapes the step
- * does not take (an odd head size, nq not a multiple of nkv, a projection input not a multiple of 32) or an
- * unknown kv_type. */
+/* One step (see the file comment) on up to `threads` threads. Returns 0, or -1 for shapes the step does not
+ * take (an odd head size, or with prefill chunks one not a multiple of 16; nq not a multiple of nkv, a
+ * projection input not a multiple of 32) or an unknown kv_type. */
 int tandem_gguf_decode(const model_t *md, const step_t *s, int threads) {
     if (md->d % 2 || md->nq % md->nkv || md->hidden % QK || md->inter % QK || md->nq * md->d % QK) return -1;
+    if (s->pf_items && md->d % 16) return -1;
     if (s->kv_type != KV_F32 && s->kv_type != KV_BF16 && s->kv_type != KV_F16) return -1;
     barrier_t bar;
     atomic_init(&bar.arrived, 0);

@@ -1,11 +1,12 @@
-"""One C call per decode step, under `--quantization gguf` or on the dense float32 path (docs/architecture.md,
-"One C call per decode step" and "Dense decode steps in one call").
+"""One C call per step, under `--quantization gguf` or on the dense float32 path (docs/architecture.md,
+"One C call per step" and "Dense decode steps in one call").
 
 Run op by op, a decode step of SmolLM2 is ~150 OpenMP parallel regions (every projection, norm, activation
-and attention call of 30 layers) and as many trips through Python and torch's dispatch, and since an engine
-waits passively (cpu_budget.py: an idle engine must not spin) each region wakes sleeping threads.
-`FusedDecodeStep` runs every layer of a decode step, up to the final norm, in one region of `gguf_decode.c`,
-which calls the kernels the op-by-op path calls (the fused norm and SiLU rows, the paged attention) and a
+and attention call of 30 layers), a prefill chunk ~300, and as many trips through Python and torch's
+dispatch, and since an engine waits passively (cpu_budget.py: an idle engine must not spin) each region wakes
+sleeping threads. `FusedDecodeStep` runs every layer of a step (decode rows, prefill chunks or both), up to
+the final norm, in one region of `gguf_decode.c`, which calls the kernels the op-by-op path calls (the fused
+norm and SiLU rows, the paged attention of decode rows and the tiled attention of prefill chunks) and a
 matmul given as two entry points (`StepMatmuls`): the int8 GGUF kernel (`gguf_matmuls`: both paths give the
 same floats), the float32 panel kernel (`dense_matmuls`, models/dense_matmul.py: the same sums as oneDNN's
 in another order), or, for a bfloat16 model on a CPU with AMX, the bfloat16 tile kernel (`amx_matmuls`,
@@ -16,8 +17,9 @@ of AMX_F32_FROM_ROWS rows or more takes the float32 AMX kernel instead where the
 lookup and the head stay where they are (the head is one more region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
-step runs fused when every row is a decode row and, under gguf, there are fewer rows than the int8 kernel
-takes (24: `DENSE_FROM_ROWS`; dense steps of any size run fused). Any other step runs op by op. The KV cache
+step runs fused when, under gguf, it has fewer rows than the int8 kernel takes (24: `DENSE_FROM_ROWS`); dense
+steps of any size run fused, but for a step with a prefill chunk past the panel kernel's rows where the
+float32 AMX kernel is not there to take it (op by op runs oneDNN there). Any other step runs op by op. The KV cache
 may hold float32, bfloat16 or float16 (`--kv-cache-dtype`): the step rounds K and V into it as torch does and
 the attention kernel reads it in place.
 """
@@ -35,7 +37,12 @@ from typing import Any, cast
 import torch
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
-from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend, kernel_scratch
+from tandem_engine.attention.torch_backend import (
+    KERNEL_KV_TYPES,
+    KERNEL_MAX_QUERY_LEN,
+    TorchAttentionBackend,
+    kernel_scratch,
+)
 from tandem_engine.kernels.build import base_flags, try_build
 from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, BF16, AmxKernel, amx_unfit, load_amx_kernel
 from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, load_dense_kernel
@@ -66,7 +73,7 @@ class _Layer(ctypes.Structure):
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, p_) for name in ("quantize", "matmul_cols", "add_rms_norm_row", "silu_mul_row",
-                                        "attention_heads")]
+                                        "attention_heads", "prefill_attention_item")]
 
 
 class _Model(ctypes.Structure):
@@ -80,7 +87,9 @@ class _Step(ctypes.Structure):
     _fields_ = [("m", i64), *((name, p_) for name in ("x", "h", "positions", "slots", "klens", "table")),
                 ("table_stride", i64), ("bs", i64), ("kv_type", i64),
                 *((name, p_) for name in ("kv", "qkv", "attn", "o", "gu", "act", "down", "xq", "scratch")),
-                ("scratch_per_thread", i64), ("phase_ns", p_)]
+                ("scratch_per_thread", i64), ("phase_ns", p_), ("pf_items", i64),
+                *((name, p_) for name in ("pf_seq_ids", "pf_q_starts", "pf_q_lens", "pf_seq_lens", "pf_table")),
+                ("pf_table_stride", i64)]
 
 
 # gguf_decode.c's phases, in step_t.phase_ns order.
@@ -102,6 +111,8 @@ class StepMatmuls:
     x_bytes: Callable[[int, int], int]  # (rows, k) -> bytes of the kernel's buffer
     col_align: int  # runs of output columns start on multiples of this
     row_limit: int  # steps of this many rows or more run op by op
+    # and steps with a prefill chunk of this many rows or more (where op by op has a faster matmul)
+    chunk_row_limit: int
     # per layer, per projection (gguf_decode.c's layer_t order): its parts (tensor, rows, qtype) and columns
     layers: list[dict[str, tuple[list[tuple[torch.Tensor, int, int]], int]]]
 
@@ -111,10 +122,11 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
     linears = [{name: cast(GGUFLinear, cast(DecoderLayer, layer).quantized[name]) for name in _PROJECTIONS}
                for layer in model.layers]
     kernel = linears[0]["qkv"].kernel
+    rows = min(p.dense_from_rows for lin in linears for p in lin.values())
     return StepMatmuls(
         "int8 GGUF matmuls", {**kernel.entries}, kernel.xq8_bytes, 4,
         # From this many rows on the op-by-op path dequantizes instead of running the int8 kernel.
-        min(p.dense_from_rows for lin in linears for p in lin.values()),
+        rows, rows,
         [{name: ([(p.data, p.rows, p.qtype) for p in lin.parts], lin.out_features) for name, lin in layer.items()}
          for layer in linears])
 
@@ -131,7 +143,8 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlo
     for why in sorted({p.why_float for p in panels if p.why_float}):
         logger.warning("float32 panels for a projection whose GGUF blocks the kernel cannot keep: %s", why)
     kind = "float32 panel matmuls, weights in " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + " panels"
-    return StepMatmuls(kind, kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
+    # Prefill chunks op by op run on the panels up to the kernel's max_rows, on oneDNN past them (faster there).
+    return StepMatmuls(kind, kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT, kernel.max_rows + 1,
                        [{name: ([(p.panels, p.out_features, p.qtype)], p.out_features)
                          for name, p in layer.panels.items()} for layer in layers])
 
@@ -145,7 +158,7 @@ def amx_f32_matmuls(model: LlamaForCausalLM, kernel: AmxKernel, blocks: DenseBlo
     if any(len(layer.amx_f32) != len(_PROJECTIONS) for layer in layers):
         return None
     return StepMatmuls("float32 AMX matmuls over the same blocks", kernel.f32_entries, kernel.f32_x_bytes,
-                       kernel.tile_cols, DENSE_ROW_LIMIT,
+                       kernel.tile_cols, DENSE_ROW_LIMIT, DENSE_ROW_LIMIT,
                        [{name: ([(a.panels, a.out_features, a.qtype)], a.out_features)
                          for name, a in layer.amx_f32.items()} for layer in layers])
 
@@ -156,8 +169,8 @@ def amx_matmuls(model: LlamaForCausalLM, kernel: AmxKernel) -> StepMatmuls:
     model.use_amx(kernel)
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     return StepMatmuls("bfloat16 AMX matmuls", kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT,
-                       [{name: ([(a.panels, a.out_features, BF16)], a.out_features) for name, a in layer.amx.items()}
-                        for layer in layers])
+                       DENSE_ROW_LIMIT, [{name: ([(a.panels, a.out_features, BF16)], a.out_features)
+                                          for name, a in layer.amx.items()} for layer in layers])
 
 
 _PANEL_TYPES = {F32: "float32", 3: "Q4_1", 8: "Q8_0"}  # names of dense_matmul.c's panel types
@@ -168,14 +181,13 @@ DENSE_ROW_LIMIT = 1 << 20
 
 
 class FusedDecodeStep:
-    """A decode step of `model` in one call: x [T, hidden] (the embedded tokens, one per sequence) through
-    every layer and the final norm, the projections on `matmuls`, or on `large`'s matmuls for steps of at least
-    its rows. `row_entries`, `heads_kernel`: the fused
-    row kernels' and the attention kernel's entry points (FusedOps.row_entries,
-    TorchAttentionBackend.heads_kernel)."""
+    """A step of `model` in one call: x [T, hidden] (the embedded tokens: decode rows and prefill chunks)
+    through every layer and the final norm, the projections on `matmuls`, or on `large`'s matmuls for steps of
+    at least its rows. `row_entries`: the fused row kernels' entry points (FusedOps.row_entries); `attention`:
+    the backend whose C kernel attends (its step_entries and prefill_work)."""
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, matmuls: StepMatmuls, row_entries: dict[str, int],
-                 heads_kernel: int, large: tuple[int, StepMatmuls] | None = None) -> None:
+                 attention: TorchAttentionBackend, large: tuple[int, StepMatmuls] | None = None) -> None:
         self._fn = lib.tandem_gguf_decode
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
         self._fn.restype = ctypes.c_int
@@ -184,8 +196,12 @@ class FusedDecodeStep:
         self.nq, self.nkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden, self.inter = model.hidden_size, first.inter
         self.row_limit = matmuls.row_limit
+        # steps with a prefill chunk: below this many rows (the large matmuls' limit where they take over)
+        self.chunk_row_limit = (matmuls if large is None else large[1]).chunk_row_limit
         self._keep: list[Any] = []  # what the C structures point into
-        self._row_entries, self._heads_kernel = row_entries, heads_kernel
+        entries = attention.step_entries
+        assert entries is not None
+        self._row_entries, self._attention_entries, self._attention = row_entries, entries, attention
         # (from rows, the model on those matmuls, their buffer's bytes): steps of at least `large`'s rows run
         # on its matmuls (the float32 AMX kernel), others on `matmuls`.
         self._models = [(0, self._c_model(model, matmuls), matmuls.x_bytes)]
@@ -216,7 +232,7 @@ class FusedDecodeStep:
             _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
                    norm.data_ptr())
             for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
-        entries = {**matmuls.entries, **self._row_entries, "attention_heads": self._heads_kernel}
+        entries = {**matmuls.entries, **self._row_entries, **self._attention_entries}
         self._keep.append(table)
         return _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv, self.d,
                       first.input_norm.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), first.eps,
@@ -239,10 +255,13 @@ class FusedDecodeStep:
 
     def refusal(self, meta: AttentionMetadata, kv_caches: KVCaches) -> str | None:
         """Why this step runs op by op, or None: it runs fused."""
-        if not meta.is_pure_decode:
-            return "a prefill row in the batch"
-        if meta.num_seqs >= self.row_limit:
-            return f"{meta.num_seqs} rows (fused below {self.row_limit})"
+        rows = int(meta.slot_mapping.shape[0])
+        if rows >= self.row_limit:
+            return f"{rows} rows (fused below {self.row_limit})"
+        if not meta.is_pure_decode and rows >= self.chunk_row_limit:
+            return f"{rows} rows with a prefill chunk (fused below {self.chunk_row_limit})"
+        if not meta.is_pure_decode and self.d % 16:
+            return f"a prefill chunk with heads of {self.d} (fused: a multiple of 16)"
         if kv_caches[0][0].dtype not in KERNEL_KV_TYPES:
             return f"a {str(kv_caches[0][0].dtype).removeprefix('torch.')} KV cache (fused: {_KV_NAMES})"
         if meta.max_seq_len > self.max_positions:
@@ -269,19 +288,36 @@ class FusedDecodeStep:
         h = torch.empty_like(x)
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        klens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
         table = meta.block_table.to(torch.int32).contiguous()
         bs, kv_type = kv_caches[0][0].shape[1], KERNEL_KV_TYPES[kv_caches[0][0].dtype]
-        threads = torch.get_num_threads()
         per_thread = kernel_scratch(self.nq, self.nkv, self.d, bs, meta.max_seq_len)
+        if meta.is_pure_decode:
+            klens, row_table, pf_items = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64), table, 0
+            chunk: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 4
+        else:
+            # As op by op (TorchAttentionBackend): the rows of a sequence of up to KERNEL_MAX_QUERY_LEN new tokens
+            # attend one by one, each to the keys up to its own; longer chunks through the tiled prefill
+            # kernel (their rows' klens 0).
+            q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+            seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+            tiled = q_lens > KERNEL_MAX_QUERY_LEN
+            klens = torch.where(tiled.repeat_interleave(q_lens), 0, positions + 1)
+            row_table = table.repeat_interleave(q_lens, dim=0)
+            ids = torch.nonzero(tiled).flatten()
+            chunk = [ids, meta.query_start_loc.to(torch.int64)[ids], q_lens[ids], seq_lens[ids]]
+            pf_items, pf_scratch = self._attention.prefill_work(chunk[2], self.nq, self.nkv, self.d)
+            per_thread = max(per_thread, pf_scratch)
+        threads = torch.get_num_threads()
         if self._scratch.numel() < threads * per_thread:
             self._scratch = torch.empty(threads * per_thread)
         w = self._work
         step = _Step(m, x.data_ptr(), h.data_ptr(), positions.data_ptr(), slots.data_ptr(), klens.data_ptr(),
-                     table.data_ptr(), table.stride(0), bs, kv_type, ctypes.cast(self._kv_pointers(kv_caches), p_),
-                     w["qkv"].data_ptr(), w["attn"].data_ptr(), w["o"].data_ptr(), w["gu"].data_ptr(),
-                     w["act"].data_ptr(), w["down"].data_ptr(), self._xq.data_ptr(), self._scratch.data_ptr(),
-                     per_thread, None if self.phase_ns is None else self.phase_ns.data_ptr())
+                     row_table.data_ptr(), row_table.stride(0), bs, kv_type,
+                     ctypes.cast(self._kv_pointers(kv_caches), p_), w["qkv"].data_ptr(), w["attn"].data_ptr(),
+                     w["o"].data_ptr(), w["gu"].data_ptr(), w["act"].data_ptr(), w["down"].data_ptr(),
+                     self._xq.data_ptr(), self._scratch.data_ptr(), per_thread,
+                     None if self.phase_ns is None else self.phase_ns.data_ptr(), pf_items,
+                     *(t.data_ptr() for t in chunk), table.data_ptr(), table.stride(0))
         c_model = next(c for from_rows, c, _ in self._models if m >= from_rows)
         rc = self._fn(ctypes.byref(c_model), ctypes.byref(step), threads)
         if rc:
@@ -302,7 +338,7 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
         return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: {_KV_NAMES})"
     if model.ops.row_entries is None:
         return "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
-    if not isinstance(backend, TorchAttentionBackend) or backend.heads_kernel is None:
+    if not isinstance(backend, TorchAttentionBackend) or backend.step_entries is None:
         return "the C attention kernel is off (--no-cpu-attention-kernel, or no C compiler)"
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     if any(layer.qk_norm for layer in layers):
@@ -363,7 +399,7 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
         f32 = None if amx is None else amx_f32_matmuls(model, amx, blocks)
         if f32 is not None:
             large = AMX_F32_FROM_ROWS, f32
-    row_entries, heads_kernel = model.ops.row_entries, cast(TorchAttentionBackend, backend).heads_kernel
-    assert row_entries is not None and heads_kernel is not None
-    model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, heads_kernel, large)
+    row_entries = model.ops.row_entries
+    assert row_entries is not None
+    model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, cast(TorchAttentionBackend, backend), large)
     return None

@@ -87,10 +87,11 @@ def rope_inv_freq(cfg: Any) -> torch.Tensor:
 
 
 class DecodeStep(Protocol):
-    """A whole decode step in one call (models/gguf_decode.py): the embedded tokens x [T, hidden] through
-    every layer and the final norm, as the layer loop computes it."""
+    """A whole step in one call (models/gguf_decode.py): the embedded tokens x [T, hidden] through every layer
+    and the final norm, as the layer loop computes it."""
 
     row_limit: int  # steps of this many rows or more run op by op
+    chunk_row_limit: int  # and steps with a prefill chunk of this many rows or more
     kind: str  # what its projections run on
 
     def refusal(self, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
