@@ -1,8 +1,11 @@
 """Where one batched decode step's time goes, by component, run op by op with torch's norms and activation
 (`torch`) and with the fused CPU kernels (`fused`), and as one C call (`one_call`: models/gguf_decode.py on
-the float32 panel matmuls), next to the float32 ceiling measured in the same run.
+its float32 matmuls), next to the float32 ceiling measured in the same run. With `--prefill`, one prefill
+step instead: `--chunk` tokens of fresh `--context`-token prompts (each request ends at its first token, so
+every timed step is prefill alone).
 
     .venv/bin/python bench/profile_step.py [--batch 32 --context 256 --steps 8]
+    .venv/bin/python bench/profile_step.py --prefill [--chunk 512] --name profile_prefill
 
 An EngineCore runs in-process (the real model, float32; no HTTP, no ZMQ): `--batch` requests with
 `--context`-token prompts are prefilled, then `--steps` decode steps are timed for each variant, the two
@@ -14,8 +17,9 @@ times its own phases (FusedDecodeStep.phase_ns, as its first thread sees them, w
 q|k|v with RoPE and the cache writes and o, gate|up and down are `projections` (so `rope` and `kv_write` read
 0 there), the attention and the copy of its output `attention`, the norms `norm_residual`, SiLU * up
 `activation`. The ceiling is the step's
-projection FLOPs at the matmul rate `bench/roofline.py` measures for M = batch (its best layout, one
-layer's weights re-read from cache); the memory floor is the bytes a step must stream (every weight
+projection FLOPs at the matmul rate `bench/roofline.py` measures for M = the step's rows (its best layout,
+tandem's float32 AMX kernel included where it runs, one layer's weights re-read from cache); the memory
+floor is the bytes a step must stream (every weight
 once, every sequence's K and V) at the rate a large tensor is summed. The attention kernel's KV read
 rate is set against a copy of the same bytes of the pool.
 Writes bench/results/profile_step.{json,md,png}, or `--name`'s (docs/benchmarks.md, "Decode step profile").
@@ -24,6 +28,7 @@ Writes bench/results/profile_step.{json,md,png}, or `--name`'s (docs/benchmarks.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -34,20 +39,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
-import torch
-from harness import MODEL, bench_main, describe
-from roofline import flops_per_token, rate, shapes
+from tandem_engine.cpu_budget import openmp_env
 
-from tandem_engine.config import EngineConfig
-from tandem_engine.core.engine_core import EngineCore
-from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
-from tandem_engine.models import llama
-from tandem_engine.models.dense_matmul import load_dense_kernel
-from tandem_engine.models.gguf_decode import PHASES, FusedDecodeStep
-from tandem_engine.models.llama import DecoderLayer
-from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
-from tandem_engine.request import Request
-from tandem_engine.sampling_params import SamplingParams
+os.environ.update(openmp_env())  # before torch loads libgomp, as for an EngineCore process
+
+import torch  # noqa: E402
+from harness import MODEL, bench_main, describe  # noqa: E402
+from roofline import flops_per_token, rate, shapes  # noqa: E402
+
+from tandem_engine.config import EngineConfig  # noqa: E402
+from tandem_engine.core.engine_core import EngineCore  # noqa: E402
+from tandem_engine.kernels.fused import TORCH_OPS, FusedOps  # noqa: E402
+from tandem_engine.models import llama  # noqa: E402
+from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, amx_unfit, load_amx_kernel  # noqa: E402
+from tandem_engine.models.dense_matmul import load_dense_kernel  # noqa: E402
+from tandem_engine.models.gguf_decode import PHASES, FusedDecodeStep  # noqa: E402
+from tandem_engine.models.llama import DecoderLayer  # noqa: E402
+from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model  # noqa: E402
+from tandem_engine.request import Request  # noqa: E402
+from tandem_engine.sampling_params import SamplingParams  # noqa: E402
 
 # Components timed inside the model's forward, then outside it (in the order of the table).
 IN_FORWARD = ["projections", "attention", "kv_write", "norm_residual", "activation", "rope"]
@@ -157,6 +167,36 @@ def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
     return times
 
 
+def prefill_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
+                  variants: dict[str, Variant]) -> dict[str, list[float]]:
+    """Time `a.steps` prefill steps per variant, alternating, each of a.chunk // a.context fresh prompts that
+    end at their first token; seconds per step."""
+    rng = random.Random(0)
+    per_step = max(1, a.chunk // a.context)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(2 + len(variants) * a.steps):  # the first two warm up
+        name = list(variants)[i % len(variants)]
+        core.runner.model.use_fused_ops(variants[name].ops)
+        step = core.runner.model.decode_step = variants[name].step
+        for j in range(per_step):
+            prompt = [rng.randrange(100, 40000) for _ in range(a.context)]
+            core.add_request(Request(f"s{i}-{j}", prompt, SamplingParams(max_tokens=1, temperature=0), [0]))
+        before = None if step is None else step.phase_ns.clone()
+        timed = i >= 2
+        timers.variant = name if timed else None
+        t0 = time.perf_counter()
+        outs = core.step()
+        if timed:
+            times[name].append(time.perf_counter() - t0)
+        timers.variant = None
+        if timed and step is not None and before is not None:
+            for phase, ns in zip(PHASES, (step.phase_ns - before).tolist(), strict=True):
+                timers.seconds[name][PHASE_COMPONENTS[phase]] += ns / 1e9
+        if sum(len(o.new_token_ids) for o in outs) != per_step or core.has_requests:
+            raise RuntimeError("a timed step was not one whole prefill of its prompts (raise --kv-cache-gib)")
+    return times
+
+
 def copy_rate(core: EngineCore, nbytes: float) -> float:
     """GB/s read by a copy of the used region of the KV pool (as many bytes as a step's attention reads,
     or the whole used region if that is smaller)."""
@@ -207,6 +247,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per variant")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--prefill", action="store_true", help="profile prefill steps, not decode steps")
+    ap.add_argument("--chunk", type=int, default=512, help="with --prefill: tokens per step")
     ap.add_argument("--name", default="profile_step",
                     help="write bench/results/<name>.{json,md,png} (another machine's profile beside this one)")
     return ap.parse_args()
@@ -226,8 +268,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         variants["one_call"] = Variant(fused, step)
     timers = Timers()
     instrument(core, timers, {name: v.ops for name, v in variants.items()})
-    times = decode_steps(core, a, timers, variants)
-    res: dict[str, Any] = {"threads": torch.get_num_threads(), "fused_kernels_built": fused.native,
+    times = (prefill_steps if a.prefill else decode_steps)(core, a, timers, variants)
+    res: dict[str, Any] = {"threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                           "fused_kernels_built": fused.native,
                            "one_call": None if step is None else step.kind,
                            "variants": {name: breakdown(timers, name, ts) for name, ts in times.items()}}
     kv_bytes = res["variants"]["fused"]["kv_bytes_per_step"]
@@ -237,12 +280,29 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     panels_bytes = sum(p.panels.nbytes for layer in model.layers for p in cast(DecoderLayer, layer).panels.values())
     if panels_bytes and model.panel_head is not None:
         panels_bytes += model.panel_head.panels.nbytes
+    # ... or, for steps the float32 AMX kernel takes, its copies (2.25 bytes a weight)
+    rows_timed = (a.chunk // a.context) * a.context if a.prefill else a.batch
+    if model.uses_amx_float32 and rows_timed >= AMX_F32_FROM_ROWS:
+        panels_bytes = sum(p.panels.nbytes for layer in model.layers
+                           for p in cast(DecoderLayer, layer).amx_f32.values())
+        head_copy = model.amx_f32_head if model.amx_f32_head is not None else model.panel_head
+        panels_bytes += head_copy.panels.nbytes if head_copy is not None else 0
+    model_amx = model.uses_amx_float32
     core.shutdown()
     cfg, _, _ = load_config_and_tokenizer(resolve_model(a.model))
-    gflop = a.batch * flops_per_token(cfg)[1] / 1e9
-    panels = load_dense_kernel(Path(tempfile.gettempdir()) / "tandem-roofline")
-    best = max(rate(cfg, a.batch, torch.float32, head=True), rate(cfg, a.batch, torch.float32, True, True),
-               rate(cfg, a.batch, torch.float32, True, panels=panels) if panels else 0.0)
+    # A decode step: every row through the layers and the head; a prefill step: its tokens through the layers,
+    # its prompts' last tokens through the head.
+    rows = (a.chunk // a.context) * a.context if a.prefill else a.batch
+    prompt_f, token_f = flops_per_token(cfg)
+    gflop = (rows * prompt_f + (a.chunk // a.context) * (token_f - prompt_f) if a.prefill
+             else rows * token_f) / 1e9
+    roof = Path(tempfile.gettempdir()) / "tandem-roofline"
+    panels = load_dense_kernel(roof)
+    amx = load_amx_kernel(roof) if amx_unfit() is None and model_amx else None
+    head = not a.prefill
+    best = max(rate(cfg, rows, torch.float32, head=head), rate(cfg, rows, torch.float32, head, True),
+               rate(cfg, rows, torch.float32, head, panels=panels) if panels else 0.0,
+               rate(cfg, rows, torch.float32, head, amx=amx) if amx else 0.0)
     # Every projection weight and the LM head are read once per step (the roofline's rates re-read one
     # layer from cache), and the attention reads every sequence's K and V.
     layer, head, n_layers = shapes(cfg)
@@ -254,7 +314,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     for v in res["variants"].values():
         v["share_of_ceiling"] = res["ceiling"]["step_floor_ms"] / v["step_ms_mean"]
         v["share_of_memory_floor"] = res["ceiling"]["memory_floor_ms"] / v["step_ms_mean"]
-        v["tok_s"] = a.batch / v["step_ms_mean"] * 1e3
+        v["tok_s"] = rows / v["step_ms_mean"] * 1e3
     return res
 
 
@@ -266,9 +326,14 @@ def table(res: dict[str, Any]) -> str:
     v, c = res["variants"], res["ceiling"]
     names = list(v)
     head = " | ".join(f"{n} ms | {n} %" for n in names)
-    lines = [f"# One decode step at batch {res['config']['batch']}, {res['config']['context']} tokens of context",
+    cfg = res["config"]
+    title = (f"# One prefill step of {cfg['chunk'] // cfg['context']} prompts of {cfg['context']} tokens"
+             if cfg.get("prefill")
+             else f"# One decode step at batch {cfg['batch']}, {cfg['context']} tokens of context")
+    lines = [title,
              "", f"{describe(res['machine'])}; 1-minute load {res['load_average'][0]:.2f} -> "
-             f"{res['load_average'][1]:.2f}, {res['threads']} threads; ceiling: {c['gflop_per_step']:.2f} GFLOP per "
+             f"{res['load_average'][1]:.2f}, {res['threads']} threads, OMP_WAIT_POLICY={res.get('omp_wait_policy')}; "
+             f"ceiling: {c['gflop_per_step']:.2f} GFLOP per "
              "step at "
              f"{c['matmul_gflop_s_at_batch']:.0f} GFLOP/s = {c['step_floor_ms']:.1f} ms; memory floor: "
              f"{(c['weight_bytes_per_step'] + v[names[0]]['kv_bytes_per_step']) / 1e6:.0f} MB of weights and KV "
@@ -303,8 +368,11 @@ def plot(res: dict[str, Any], path: Path) -> None:
         left = [lo + x for lo, x in zip(left, vals, strict=True)]
     ax.axvline(res["ceiling"]["step_floor_ms"], color="k", ls="--", label="fp32 ceiling")
     ax.axvline(res["ceiling"]["memory_floor_ms"], color="k", ls=":", label="memory floor")
-    ax.set_xlabel("ms per decode step")
-    ax.set_title(f"Batch {res['config']['batch']} decode step (load {res['load_average'][0]:.2f})", fontsize=10)
+    cfg = res["config"]
+    what = (f"{cfg['chunk'] // cfg['context'] * cfg['context']}-token prefill step" if cfg.get("prefill")
+            else f"Batch {cfg['batch']} decode step")
+    ax.set_xlabel(f"ms per {'prefill' if cfg.get('prefill') else 'decode'} step")
+    ax.set_title(f"{what} (load {res['load_average'][0]:.2f})", fontsize=10)
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
