@@ -280,29 +280,29 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     panels_bytes = sum(p.panels.nbytes for layer in model.layers for p in cast(DecoderLayer, layer).panels.values())
     if panels_bytes and model.panel_head is not None:
         panels_bytes += model.panel_head.panels.nbytes
-    # ... or, for steps the float32 AMX kernel takes, its copies (2.25 bytes a weight)
-    rows_timed = (a.chunk // a.context) * a.context if a.prefill else a.batch
-    if model.uses_amx_float32 and rows_timed >= AMX_F32_FROM_ROWS:
+    # ... or, for steps the float32 AMX kernel takes, its copies (2.25 bytes a weight). A decode step's rows
+    # are its sequences, a prefill step's its prompts' tokens.
+    prompts = a.chunk // a.context
+    rows = prompts * a.context if a.prefill else a.batch
+    model_amx = model.uses_amx_float32
+    if model_amx and rows >= AMX_F32_FROM_ROWS:
         panels_bytes = sum(p.panels.nbytes for layer in model.layers
                            for p in cast(DecoderLayer, layer).amx_f32.values())
         head_copy = model.amx_f32_head if model.amx_f32_head is not None else model.panel_head
         panels_bytes += head_copy.panels.nbytes if head_copy is not None else 0
-    model_amx = model.uses_amx_float32
     core.shutdown()
     cfg, _, _ = load_config_and_tokenizer(resolve_model(a.model))
     # A decode step: every row through the layers and the head; a prefill step: its tokens through the layers,
     # its prompts' last tokens through the head.
-    rows = (a.chunk // a.context) * a.context if a.prefill else a.batch
     prompt_f, token_f = flops_per_token(cfg)
-    gflop = (rows * prompt_f + (a.chunk // a.context) * (token_f - prompt_f) if a.prefill
-             else rows * token_f) / 1e9
+    gflop = (rows * prompt_f + prompts * (token_f - prompt_f) if a.prefill else rows * token_f) / 1e9
     roof = Path(tempfile.gettempdir()) / "tandem-roofline"
     panels = load_dense_kernel(roof)
     amx = load_amx_kernel(roof) if amx_unfit() is None and model_amx else None
-    head = not a.prefill
-    best = max(rate(cfg, rows, torch.float32, head=head), rate(cfg, rows, torch.float32, head, True),
-               rate(cfg, rows, torch.float32, head, panels=panels) if panels else 0.0,
-               rate(cfg, rows, torch.float32, head, amx=amx) if amx else 0.0)
+    with_head = not a.prefill
+    best = max(rate(cfg, rows, torch.float32, head=with_head), rate(cfg, rows, torch.float32, with_head, True),
+               rate(cfg, rows, torch.float32, with_head, panels=panels) if panels else 0.0,
+               rate(cfg, rows, torch.float32, with_head, amx=amx) if amx else 0.0)
     # Every projection weight and the LM head are read once per step (the roofline's rates re-read one
     # layer from cache), and the attention reads every sequence's K and V.
     layer, head, n_layers = shapes(cfg)

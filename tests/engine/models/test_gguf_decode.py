@@ -77,6 +77,21 @@ def caches_for(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> C
     return kv_caches(spec.num_layers, 64, BS, spec.num_kv_heads, spec.head_dim, dtype)
 
 
+def step_both_ways(model: LlamaForCausalLM, backend: TorchAttentionBackend, ids: torch.Tensor,
+                   positions: torch.Tensor, meta: Any, fused: Caches, ref: Caches,
+                   same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """One step, which the fused step takes, run fused over `fused` and op by op over `ref`: `same` holds for
+    the logits of every row and for every cache."""
+    assert model.decode_step is not None and model.decode_step.refusal(meta, fused) is None
+    got = model.compute_logits(model(ids, positions, fused, meta, backend))
+    with op_by_op(model):
+        want = model.compute_logits(model(ids, positions, ref, meta, backend))
+    same(got, want)
+    for kv_got, kv_ref in zip(fused, ref, strict=True):
+        for a, b in zip(kv_got, kv_ref, strict=True):
+            same(a, b)
+
+
 def decode_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int, kv: torch.dtype,
                             same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """Prompts of one token to 12 blocks over scattered blocks, then three decode steps, each run fused and
@@ -94,16 +109,8 @@ def decode_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBack
         for s in range(steps):
             seq_lens = [n + s + 1 for n in lens]
             meta = make_meta([1] * len(lens), seq_lens, tables, BS)
-            assert model.decode_step is not None and model.decode_step.refusal(meta, fused) is None
             ids = torch.randint(3, TINY["vocab"], (len(lens),), generator=g)
-            positions = positions_for([1] * len(lens), seq_lens)
-            got = model.compute_logits(model(ids, positions, fused, meta, backend))
-            with op_by_op(model):
-                want = model.compute_logits(model(ids, positions, ref, meta, backend))
-            same(got, want)
-            for kv_got, kv_ref in zip(fused, ref, strict=True):
-                for a, b in zip(kv_got, kv_ref, strict=True):
-                    same(a, b)
+            step_both_ways(model, backend, ids, positions_for([1] * len(lens), seq_lens), meta, fused, ref, same)
 
 
 def bit_for_bit(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -141,16 +148,8 @@ def chunks_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBack
         for step in steps:
             q_lens, seq_lens = [q for q, _ in step.values()], [n for _, n in step.values()]
             meta = make_meta(q_lens, seq_lens, [tables[seq] for seq in step], BS)
-            assert model.decode_step is not None and model.decode_step.refusal(meta, fused) is None
             ids = torch.randint(3, TINY["vocab"], (sum(q_lens),), generator=g)
-            positions = positions_for(q_lens, seq_lens)
-            got = model.compute_logits(model(ids, positions, fused, meta, backend))
-            with op_by_op(model):
-                want = model.compute_logits(model(ids, positions, ref, meta, backend))
-            same(got, want)
-            for kv_got, kv_ref in zip(fused, ref, strict=True):
-                for a, b in zip(kv_got, kv_ref, strict=True):
-                    same(a, b)
+            step_both_ways(model, backend, ids, positions_for(q_lens, seq_lens), meta, fused, ref, same)
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])

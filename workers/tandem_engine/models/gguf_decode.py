@@ -291,9 +291,9 @@ class FusedDecodeStep:
         table = meta.block_table.to(torch.int32).contiguous()
         bs, kv_type = kv_caches[0][0].shape[1], KERNEL_KV_TYPES[kv_caches[0][0].dtype]
         per_thread = kernel_scratch(self.nq, self.nkv, self.d, bs, meta.max_seq_len)
-        if meta.is_pure_decode:
+        if meta.is_pure_decode:  # no prefill chunk: the step reads none of the chunks' arrays
             klens, row_table, pf_items = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64), table, 0
-            chunk: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 4
+            chunk: list[torch.Tensor | None] = [None] * 4
         else:
             # As op by op (TorchAttentionBackend): the rows of a sequence of up to KERNEL_MAX_QUERY_LEN new tokens
             # attend one by one, each to the keys up to its own; longer chunks through the tiled prefill
@@ -304,8 +304,9 @@ class FusedDecodeStep:
             klens = torch.where(tiled.repeat_interleave(q_lens), 0, positions + 1)
             row_table = table.repeat_interleave(q_lens, dim=0)
             ids = torch.nonzero(tiled).flatten()
-            chunk = [ids, meta.query_start_loc.to(torch.int64)[ids], q_lens[ids], seq_lens[ids]]
-            pf_items, pf_scratch = self._attention.prefill_work(chunk[2], self.nq, self.nkv, self.d)
+            chunk_q_lens = q_lens[ids]
+            chunk = [ids, meta.query_start_loc.to(torch.int64)[ids], chunk_q_lens, seq_lens[ids]]
+            pf_items, pf_scratch = self._attention.prefill_work(chunk_q_lens, self.nq, self.nkv, self.d)
             per_thread = max(per_thread, pf_scratch)
         threads = torch.get_num_threads()
         if self._scratch.numel() < threads * per_thread:
@@ -317,7 +318,7 @@ class FusedDecodeStep:
                      w["o"].data_ptr(), w["gu"].data_ptr(), w["act"].data_ptr(), w["down"].data_ptr(),
                      self._xq.data_ptr(), self._scratch.data_ptr(), per_thread,
                      None if self.phase_ns is None else self.phase_ns.data_ptr(), pf_items,
-                     *(t.data_ptr() for t in chunk), table.data_ptr(), table.stride(0))
+                     *(None if t is None else t.data_ptr() for t in chunk), table.data_ptr(), table.stride(0))
         c_model = next(c for from_rows, c, _ in self._models if m >= from_rows)
         rc = self._fn(ctypes.byref(c_model), ctypes.byref(step), threads)
         if rc:

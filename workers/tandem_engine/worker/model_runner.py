@@ -71,11 +71,9 @@ class ModelRunner:
         why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path,
                                 amx_float32=config.cpu_amx_float32)
         if (step := self.model.decode_step) is not None:
-            rows = f"fewer than {step.row_limit}" if step.row_limit < DENSE_ROW_LIMIT else "any number of"
+            rows = f"fewer than {step.row_limit} rows" if step.row_limit < DENSE_ROW_LIMIT else "any number of rows"
             if step.chunk_row_limit < step.row_limit:
-                rows += f" rows (with a prefill chunk fewer than {step.chunk_row_limit})"
-            else:
-                rows += " rows"
+                rows += f" (with a prefill chunk fewer than {step.chunk_row_limit})"
             logger.info("[startup] steps fused: one C call per step of decode rows and prefill chunks, %s, on %s "
                         "(models/gguf_decode.py); other steps op by op", rows, step.kind)
         else:
