@@ -411,6 +411,49 @@ def test_float32_amx_takes_the_matmuls_of_32_rows_and_more(
         to_float_rounding(va, vp)
 
 
+@pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_float32_amx_steps_cut_into_row_blocks_give_the_uncut_floats(
+        amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of many rows on the float32 AMX kernel runs its projections a block of rows at a time once the
+    rows' split x passes FusedDecodeStep's row_block_bytes (gguf_decode.c, row_block). Each row's sums are
+    the same ones in any block, so prefills and a step of decode rows with new prompts, cut into blocks of 16
+    to 32 rows (some partial), give the uncut step's logits and cache bit for bit."""
+    amx, _, backend = amx_pair
+    step = cast(FusedDecodeStep, amx.decode_step)
+    c_model = step._models[0][1]  # the AMX kernel's table: steps of 32 rows and more
+    whole = c_model.row_block_bytes
+    assert step._models[0][0] == 32 and whole > 0
+    cut = 16 * TINY["hidden"] * 6  # q|k|v in blocks of 32 rows, o and gate|up of 16, down of 16
+    old, new = [23, 37, 11, 25], [40, 17]
+    lens = old + new
+    pool = list(range(1, 64 * 4))
+    random.Random(threads).shuffle(pool)
+    tables = [[pool.pop() for _ in range(-(-(n + 1) // BS))] for n in lens]
+    g = torch.Generator().manual_seed(threads)
+    steps = [  # (query lens, seq lens, tables): the old prompts; then a decode row each with the new prompts
+        (old, old, tables[:4]),
+        ([1] * len(old) + new, [n + 1 for n in old] + new, tables),
+    ]
+    caches = {name: kv_caches(TINY["layers"], 256, BS, TINY["kv_heads"], TINY["hidden"] // TINY["heads"],
+                              torch.float32) for name in ("cut", "whole")}
+    with torch_threads(threads):
+        for q_lens, seq_lens, tabs in steps:
+            ids = torch.randint(3, TINY["vocab"], (sum(q_lens),), generator=g)
+            meta = make_meta(q_lens, seq_lens, tabs, BS)
+            positions = positions_for(q_lens, seq_lens)
+            assert step.refusal(meta, caches["cut"]) is None
+            logits = {}
+            for name, limit in (("cut", cut), ("whole", whole)):
+                monkeypatch.setattr(c_model, "row_block_bytes", limit)
+                logits[name] = amx.compute_logits(amx(ids, positions, caches[name], meta, backend))
+            bit_for_bit(logits["cut"], logits["whole"])
+    for (kc, vc), (kw, vw) in zip(caches["cut"], caches["whole"], strict=True):
+        bit_for_bit(kc, kw)
+        bit_for_bit(vc, vw)
+
+
 def to_float_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

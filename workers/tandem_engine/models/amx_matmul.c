@@ -366,6 +366,13 @@ void tandem_amx_f32_matmul_cols(const void *buf, int64_t m, const uint8_t *w, in
     if (m > 0 && i0 < i1) f32_cols((const uint8_t *)buf, m, 0, m, w, qtype == Q4_1, k, i0, i1, y, ldy);
 }
 
+/* The fused step's "matmul_rows" entry: rows [r0, r1) and columns [i0, i1) of y, the rows of a prefill step
+ * a block at a time (gguf_decode.c, project_runs). */
+void tandem_amx_f32_matmul_rows(const void *buf, int64_t m, int64_t r0, int64_t r1, const uint8_t *w, int qtype,
+                                int64_t k, int64_t i0, int64_t i1, float *y, int64_t ldy) {
+    if (r0 < r1 && i0 < i1) f32_cols((const uint8_t *)buf, m, r0, r1, w, qtype == Q4_1, k, i0, i1, y, ldy);
+}
+
 /* Rows of x a work item of the whole matmul takes: their split rows (128 x 1536 x 6 bytes at most for SmolLM2)
  * stay in L2 while the item's two panels are read once from memory for all of them. On 30 layers of SmolLM2's
  * projections at 512 rows, weights streamed, 2 threads: items of 256 and 512 rows took 1.04x and 1.14x as

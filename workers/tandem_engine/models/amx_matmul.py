@@ -121,7 +121,8 @@ class AmxKernel:
         self._f32_x_bytes.argtypes = [i64, i64]
         self._f32_x_bytes.restype = i64
         self.f32_entries = {"quantize": address(lib, "tandem_amx_f32_copy_x"),
-                            "matmul_cols": address(lib, "tandem_amx_f32_matmul_cols")}
+                            "matmul_cols": address(lib, "tandem_amx_f32_matmul_cols"),
+                            "matmul_rows": address(lib, "tandem_amx_f32_matmul_rows")}
 
     def f32_x_bytes(self, m: int, k: int) -> int:
         """Bytes of the buffer m rows of k values are split into by the float32 kernel."""

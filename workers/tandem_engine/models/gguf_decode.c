@@ -67,6 +67,10 @@ typedef struct { /* entry points of the other kernels (see the file comment) */
                                    const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
                                    float *out, int nq, int nkv, int d, int bs, float scale, int64_t items, int64_t n,
                                    float *buf);
+    /* NULL, or matmul_cols for rows [r0, r1) only (r0 a multiple of 16): then a step of many rows runs its
+     * projections a block of rows at a time (row_block) */
+    void (*matmul_rows)(const void *buf, int64_t m, int64_t r0, int64_t r1, const uint8_t *w, int qtype, int64_t k,
+                        int64_t i0, int64_t i1, float *y, int64_t ldy);
 } kernels_t;
 
 typedef struct {
@@ -77,6 +81,7 @@ typedef struct {
     const float *rope_cos, *rope_sin; /* [max_positions, D]: (cos, cos) and (-sin, sin) */
     float eps, scale;
     int64_t col_align; /* projection runs start on multiples of this many columns (the matmul's group) */
+    int64_t row_block_bytes; /* cut rows into blocks whose split x is at most this (row_block; q|k|v: twice) */
 } model_t;
 
 typedef struct {
@@ -189,16 +194,32 @@ static inline int64_t run_length(int64_t n, int nt, int64_t align) {
     return (c + align - 1) / align * align;
 }
 
-/* Output columns [c0, c1) of projection p, for the m rows quantized in xq, into y [m, p->cols]. */
-static void project(const kernels_t *k, const proj_t *p, const void *xq, int64_t m, int64_t kdim, int64_t c0,
-                    int64_t c1, float *y) {
+/* Output columns [c0, c1) of projection p, for rows [r0, r1) of the m rows quantized in xq, into y [m, p->cols]
+ * (rows other than all of them only with matmul_rows). */
+static void project(const kernels_t *k, const proj_t *p, const void *xq, int64_t m, int64_t r0, int64_t r1,
+                    int64_t kdim, int64_t c0, int64_t c1, float *y) {
     int64_t start = 0;
     for (int64_t i = 0; i < p->n_parts; i++) {
         const part_t *pt = &p->parts[i];
         const int64_t a = c0 > start ? c0 : start, b = c1 < start + pt->rows ? c1 : start + pt->rows;
-        if (a < b) k->matmul_cols(xq, m, pt->data, (int)pt->qtype, kdim, a - start, b - start, y + start, p->cols);
+        if (a < b && r0 == 0 && r1 == m)
+            k->matmul_cols(xq, m, pt->data, (int)pt->qtype, kdim, a - start, b - start, y + start, p->cols);
+        else if (a < b)
+            k->matmul_rows(xq, m, r0, r1, pt->data, (int)pt->qtype, kdim, a - start, b - start, y + start, p->cols);
         start += pt->rows;
     }
+}
+
+/* The rows of the blocks a step's rows are cut into for a projection of kdim inputs (m: one block): when the
+ * kernel takes row ranges (matmul_rows) and the rows' split x (6 bytes a value: the float32 AMX kernel's
+ * three bfloat16 parts) is over `limit` bytes (0: never cut), blocks of equal rows, a multiple of 16, that
+ * each fit. Each block is run against every column of the projection in turn, its x read from L2 while the
+ * weights pass (FusedDecodeStep.row_block_bytes). */
+static inline int64_t row_block(const kernels_t *k, int64_t m, int64_t kdim, int64_t limit) {
+    const int64_t bytes = m * kdim * 6;
+    if (!k->matmul_rows || limit <= 0 || bytes <= limit) return m;
+    const int64_t nrb = (bytes + limit - 1) / limit, rows = (m + nrb - 1) / nrb;
+    return (rows + 15) / 16 * 16;
 }
 
 /* Thread t's whole-row share: x[r] += delta[r] (none: NULL), h[r] = its norm times w, and, given xq, h[r]
@@ -272,14 +293,18 @@ void tandem_gguf_store_kv(void *cache, int64_t at, const float *x, int64_t d, in
         for (; j < d; j++) out[j] = f32_to_bf16(x[j]);
 }
 
-/* q|k|v a head at a time (whole heads, so a thread can finish them; share first, take_near): RoPE on q and
- * k, then K and V into their slots (rounded to the cache's type). */
+/* q|k|v a head at a time (whole heads, so a thread can finish them; share first, take_near), or a head of a
+ * block of rows at a time from one counter: RoPE on q and k, then K and V into their slots (rounded to the
+ * cache's type). */
 static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void *kc, void *vc, barrier_t *bar,
                       int t, int nt) {
     const int64_t d = md->d, nq = md->nq, nkv = md->nkv, heads = nq + 2 * nkv, ld = heads * d;
-    for (int64_t u; (u = take_near(bar, t, nt, heads, 1)) < heads;) {
-        project(&md->k, &L->qkv, s->xq, s->m, md->hidden, u * d, (u + 1) * d, s->qkv);
-        for (int64_t r = 0; r < s->m; r++) {
+    const int64_t rb = row_block(&md->k, s->m, md->hidden, 2 * md->row_block_bytes), nrb = (s->m + rb - 1) / rb;
+    const int64_t items = nrb * heads;
+    for (int64_t j; (j = nrb > 1 ? take(bar, items, 1) : take_near(bar, t, nt, heads, 1)) < items;) {
+        const int64_t u = j % heads, r0 = j / heads * rb, r1 = r0 + rb < s->m ? r0 + rb : s->m;
+        project(&md->k, &L->qkv, s->xq, s->m, r0, r1, md->hidden, u * d, (u + 1) * d, s->qkv);
+        for (int64_t r = r0; r < r1; r++) {
             float *x = s->qkv + r * ld + u * d;
             if (u < nq + nkv) rope(x, md->rope_cos + s->positions[r] * d, md->rope_sin + s->positions[r] * d, d);
             if (u >= nq) /* kv head u - nq (K) or u - nq - nkv (V) */
@@ -288,12 +313,23 @@ static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void
     }
 }
 
-/* Output columns of projection p handed out in runs (take_near), for the m rows quantized in xq, into y. */
+/* Output columns of projection p handed out in runs (take_near), for the m rows quantized in xq, into y; or,
+ * with the rows cut into blocks, runs of a block's columns from one counter, a block at a time. */
 static void project_runs(const model_t *md, const proj_t *p, const void *xq, int64_t m, int64_t kdim, float *y,
                          barrier_t *bar, int t, int nt) {
-    const int64_t n = p->cols, chunk = run_length(n, nt, md->col_align);
+    const int64_t n = p->cols, rb = row_block(&md->k, m, kdim, md->row_block_bytes), nrb = (m + rb - 1) / rb;
+    if (nrb > 1) { /* a block of rows (in L2 as the kernel splits it) against every column in turn */
+        const int64_t per = (n + 4 * nt - 1) / (4 * nt) / md->col_align * md->col_align;
+        const int64_t chunk = per > md->col_align ? per : md->col_align, runs = (n + chunk - 1) / chunk;
+        for (int64_t j; (j = take(bar, nrb * runs, 1)) < nrb * runs;) {
+            const int64_t c = j % runs * chunk, r0 = j / runs * rb;
+            project(&md->k, p, xq, m, r0, r0 + rb < m ? r0 + rb : m, kdim, c, c + chunk < n ? c + chunk : n, y);
+        }
+        return;
+    }
+    const int64_t chunk = run_length(n, nt, md->col_align);
     for (int64_t c; (c = take_near(bar, t, nt, n, chunk)) < n;)
-        project(&md->k, p, xq, m, kdim, c, c + chunk < n ? c + chunk : n, y);
+        project(&md->k, p, xq, m, 0, m, kdim, c, c + chunk < n ? c + chunk : n, y);
 }
 
 /* Decode rows: thread t's (row, query head) items, a contiguous run of them, cut by cost (the row's keys +

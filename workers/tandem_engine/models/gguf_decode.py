@@ -73,14 +73,14 @@ class _Layer(ctypes.Structure):
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, p_) for name in ("quantize", "matmul_cols", "add_rms_norm_row", "silu_mul_row",
-                                        "attention_heads", "prefill_attention_item")]
+                                        "attention_heads", "prefill_attention_item", "matmul_rows")]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("k", _Kernels), ("layers", ctypes.POINTER(_Layer)),
                 *((name, i64) for name in ("n_layers", "hidden", "inter", "nq", "nkv", "d")),
                 ("first_norm", p_), ("rope_cos", p_), ("rope_sin", p_), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("col_align", i64)]
+                ("scale", ctypes.c_float), ("col_align", i64), ("row_block_bytes", i64)]
 
 
 class _Step(ctypes.Structure):
@@ -179,6 +179,16 @@ _PANEL_TYPES = {F32: "float32", 3: "Q4_1", 8: "Q8_0"}  # names of dense_matmul.c
 # Dense steps of any size run fused (the panel kernel is ahead of oneDNN from one row to hundreds).
 DENSE_ROW_LIMIT = 1 << 20
 
+# A step on a kernel that takes row ranges (the float32 AMX kernel) cuts its rows into blocks whose split x
+# (6 bytes a value) is at most this for o, gate|up and down, twice it for q|k|v (gguf_decode.c, row_block).
+# All rows at once, the whole split x was read again from L3 for each run of output columns; a block stays in
+# L2 while the weights pass. In one-call prefill steps of 512 tokens (SmolLM2, 2 threads of the AVX-512 Xeon,
+# three alternating runs each): down 71-78 ms a step against 53-55 cut at 1 MB, gate|up 94-105 against
+# 86-91, the step 298-320 against 267-282. q|k|v, whose items are heads with their RoPE and cache writes, ran
+# slower cut in two at 512 rows (45 against 41 ms) and faster cut in four at 2,048 (176 against 236).
+# bfloat16 AMX steps, whose x is a third the bytes, ran no faster cut: that kernel takes no row ranges.
+ROW_BLOCK_BYTES = 1 << 20
+
 
 class FusedDecodeStep:
     """A step of `model` in one call: x [T, hidden] (the embedded tokens: decode rows and prefill chunks)
@@ -236,7 +246,7 @@ class FusedDecodeStep:
         self._keep.append(table)
         return _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv, self.d,
                       first.input_norm.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), first.eps,
-                      first.scale, matmuls.col_align)
+                      first.scale, matmuls.col_align, ROW_BLOCK_BYTES)
 
     def _reserve(self, rows: int) -> None:
         """Work buffers for steps of up to `rows` rows."""
