@@ -398,13 +398,15 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
         end_phase(s, bar, t, nt, PH_NORM, &since);
         project_runs(md, &L->gate_up, s->xq, m, hd, s->gu, bar, t, nt);
         end_phase(s, bar, t, nt, PH_GATE_UP, &since);
-        /* SiLU * up 32 columns at a time, each run quantized as soon as it is made */
+        /* SiLU * up over the thread's share of blocks of 32 columns, a row's run of them at a time (one call
+         * each, not one per block), each run quantized as soon as it is made (in L1: at most a row) */
         const int64_t nb = inter / QK;
-        for (int64_t i = share(m * nb, t, nt); i < share(m * nb, t + 1, nt); i++) {
-            const int64_t r = i / nb, c = i % nb * QK;
+        for (int64_t i = share(m * nb, t, nt), end = share(m * nb, t + 1, nt); i < end;) {
+            const int64_t r = i / nb, run_end = (r + 1) * nb < end ? (r + 1) * nb : end, c = i % nb * QK;
             const float *g = s->gu + r * 2 * inter + c;
-            k->silu_mul_row(g, g + inter, s->act + r * inter + c, QK);
-            k->quantize(s->act, inter, m, inter, i, i + 1, s->xq);
+            k->silu_mul_row(g, g + inter, s->act + r * inter + c, (run_end - i) * QK);
+            k->quantize(s->act, inter, m, inter, i, run_end, s->xq);
+            i = run_end;
         }
         end_phase(s, bar, t, nt, PH_SILU, &since);
         project_runs(md, &L->down, s->xq, m, inter, s->down, bar, t, nt);
