@@ -4,8 +4,9 @@ workload's FLOPs, and the fastest any engine could serve it here.
     .venv/bin/python bench/roofline.py [--batch 32 --input-len 256 --output-len 128]
 
 Every engine computes the same projections for the same tokens (prompt tokens skip the LM head). The
-floor is: prompt tokens at the measured large-M rate, plus one decode step per output token at the
-measured rate for M = batch, each the best of torch's matmuls (plain and oneDNN-packed), tandem's own
+floor is: prompt tokens at the best rate measured for prefill chunks of 512 (tandem's CPU step) and 2,048
+rows, plus one decode step per output token at the measured rate for M = batch, each the best of torch's
+matmuls (plain and oneDNN-packed), tandem's own
 float32 panel kernel (models/dense_matmul.py), which is faster at decode shapes, and on a CPU with AMX
 tandem's float32 AMX kernel over GGUF blocks (models/amx_matmul.py; float32 arithmetic on the tile unit,
 measured on the weights quantized as the embedded model's file holds them: Q4_1, the head Q8_0): the
@@ -118,7 +119,14 @@ def int8_rate(cfg: Any, m: int) -> float | None:
         return None
 
 
-def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 2048,
+# Prefill chunk sizes whose rates the prompt tokens take the best of: tandem's CPU step (512 tokens) and a
+# larger one. On the AVX-512 Xeon tandem's float32 AMX kernel ran one layer's projections at ~556 GFLOP/s for
+# 512 rows and ~500 for 2,048 (2026-12-06): with 2,048 alone the ceiling counted its prompt tokens ~10% slower
+# than the kernel runs them.
+PREFILL_CHUNKS = (512, 2048)
+
+
+def measure(batch: int, input_len: int, output_len: int, prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS,
             dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
     cfg, _, _ = load_config_and_tokenizer(resolve_model(MODEL))
     prompt_f, decode_f = flops_per_token(cfg)
@@ -133,29 +141,29 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunk: int = 20
     # minute later, oneDNN's kernels being generated and pages touched): warm up before measuring.
     _time(lambda: sq @ sq, min_s=1.0)
     res["gflops"]["float32 2048^3 (peak reference)"] = 2 * 2048**3 / _time(lambda: sq @ sq) / 1e9
+    shapes_m = (*prefill_chunks, batch)
     for dt in dtypes:
         name = str(dt).removeprefix("torch.")
-        big = res["gflops"][f"{name} M={prefill_chunk}"] = rate(cfg, prefill_chunk, dt, head=False)
-        small = res["gflops"][f"{name} M={batch}"] = rate(cfg, batch, dt, head=True)
+        # (label, how rate() runs it) for each matmul measured at every shape
+        ways: list[tuple[str, dict[str, Any]]] = [("", {})]
         if packed_linear.packing_supported(dt, torch.device("cpu")):
-            pb = res["gflops"][f"{name} oneDNN-packed M={prefill_chunk}"] = rate(cfg, prefill_chunk, dt, False, True)
-            ps = res["gflops"][f"{name} oneDNN-packed M={batch}"] = rate(cfg, batch, dt, True, True)
-            big, small = max(big, pb), max(small, ps)
+            ways.append(("oneDNN-packed ", {"packed": True}))
         kernel = load_dense_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None
         if kernel is not None:
-            for m in (prefill_chunk, batch):
-                r = res["gflops"][f"{name} tandem panels M={m}"] = rate(cfg, m, dt, m == batch, panels=kernel)
-                big, small = (max(big, r), small) if m == prefill_chunk else (big, max(small, r))
+            ways.append(("tandem panels ", {"panels": kernel}))
         amx = load_amx_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None
         if amx is not None:
-            for m in (prefill_chunk, batch):
-                r = res["gflops"][f"{name} tandem AMX M={m}"] = rate(cfg, m, dt, m == batch, amx=amx)
-                big, small = (max(big, r), small) if m == prefill_chunk else (big, max(small, r))
+            ways.append(("tandem AMX ", {"amx": amx}))
+        rates = {(label, m): rate(cfg, m, dt, m == batch, **kw) for label, kw in ways for m in shapes_m}
+        for (label, m), r in rates.items():
+            res["gflops"][f"{name} {label}M={m}"] = r
+        big = max(r for (_, m), r in rates.items() if m != batch)  # prompt tokens: any chunk size
+        small = max(r for (_, m), r in rates.items() if m == batch)
         floor_s = prompt_tokens * prompt_f / (big * 1e9) + out_tokens * decode_f / (small * 1e9)
         res["ceiling_output_tok_s"][f"{name}, {EACH_SHAPE}"] = out_tokens / floor_s
         peak = max(v for k, v in res["gflops"].items() if k.startswith(name))
         res["ceiling_output_tok_s"][f"{name}, {BEST_RATE}"] = out_tokens / (total / (peak * 1e9))
-    for m in (prefill_chunk, batch):
+    for m in shapes_m:
         r = int8_rate(cfg, m)
         if r is not None:
             res["gflops"][f"int8 dynamic (fbgemm) M={m}"] = r
