@@ -321,7 +321,10 @@ static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, cons
              * the tile unit computes while the stores and the scaling run. */
             for (int64_t kb = 0; kb < nb; kb++) {
                 const uint8_t *p0 = b0 + kb * BLK_B, *p1 = b1 + kb * BLK_B;
-                if (once && kb + 2 < nb) /* panels read for one pair of row tiles only: their lines two blocks on */
+                /* panels read for one pair of row tiles only: their lines two blocks on (past the end of the
+                 * second panel, the first lines of the call's next pair: the LM head's 4.7 -> 4.0 ms a decode
+                 * step of 32 rows, with its runs below) */
+                if (once && (kb + 2 < nb || c + 2 * NR < c1))
                     for (int l = 0; l < BLK_B / 64; l++) {
                         _mm_prefetch((const char *)(p0 + 2 * BLK_B + l * 64), _MM_HINT_T0);
                         if (two) _mm_prefetch((const char *)(p1 + 2 * BLK_B + l * 64), _MM_HINT_T0);
@@ -380,8 +383,8 @@ void tandem_amx_f32_matmul_rows(const void *buf, int64_t m, int64_t r0, int64_t 
 #define ROW_BLOCK 128
 
 /* y [m, n] (row stride ldy) = x [m, k] @ W^T on `threads` threads: x split into buf
- * (tandem_amx_f32_x_bytes(m, k) bytes), then work items of up to ROW_BLOCK rows by 32 columns handed out from a
- * shared counter, a block of rows at a time. */
+ * (tandem_amx_f32_x_bytes(m, k) bytes), then work items of up to ROW_BLOCK rows by 32 columns (with one block of
+ * rows, by runs of columns) handed out from a shared counter, a block of rows at a time. */
 void tandem_amx_f32_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w, int qtype, int64_t n, int64_t k,
                            float *y, int64_t ldy, void *buf, int threads) {
     const int64_t blocks = m * (k / KT), runs = (n + 2 * NR - 1) / (2 * NR), row_blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
@@ -391,10 +394,14 @@ void tandem_amx_f32_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         tandem_amx_f32_copy_x(x, ldx, m, k, blocks * t / nt, blocks * (t + 1) / nt, buf);
 #pragma omp barrier
-        for (int64_t j; (j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < runs * row_blocks;) {
-            const int64_t c = j % runs * 2 * NR, r = j / runs * ROW_BLOCK;
+        /* one block of rows (a decode step's): runs of an eighth of a thread's share of the pairs, so that each
+         * call streams its panels in order and requests the next pair's as it ends one; one pair an item, the
+         * threads took turns at adjacent pairs and each started its pair cold */
+        const int64_t per = row_blocks == 1 ? (runs + 8 * nt - 1) / (8 * nt) : 1, items = (runs + per - 1) / per;
+        for (int64_t j; (j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < items * row_blocks;) {
+            const int64_t c = j % items * per * 2 * NR, r = j / items * ROW_BLOCK, c1 = c + per * 2 * NR;
             f32_cols((const uint8_t *)buf, m, r, r + ROW_BLOCK < m ? r + ROW_BLOCK : m, w, qtype == Q4_1, k, c,
-                     c + 2 * NR < n ? c + 2 * NR : n, y, ldy);
+                     c1 < n ? c1 : n, y, ldy);
         }
     }
 }
