@@ -175,7 +175,7 @@ void tandem_amx_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qt
 }
 
 /* y [m, n] (row stride ldy) = bf16(x) [m, k] @ W^T on `threads` threads: x rounded into buf
- * (tandem_amx_x_bytes(m, k) bytes), then runs of 32 columns handed out from a shared counter. */
+ * (tandem_amx_x_bytes(m, k) bytes), then runs of columns handed out from a shared counter. */
 void tandem_amx_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w, int64_t n, int64_t k, float *y,
                        int64_t ldy, void *buf, int threads) {
     const int64_t blocks = m * (k / KT), runs = (n + 2 * NR - 1) / (2 * NR);
@@ -185,9 +185,12 @@ void tandem_amx_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         tandem_amx_copy_x(x, ldx, m, k, blocks * t / nt, blocks * (t + 1) / nt, buf);
 #pragma omp barrier
-        for (int64_t j; (j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < runs;) {
-            const int64_t c = j * 2 * NR;
-            cols((const uint16_t *)buf, m, w, k, c, c + 2 * NR < n ? c + 2 * NR : n, y, ldy);
+        /* runs of an eighth of a thread's share of the pairs: each call streams its panels in order (the LM
+         * head of a 32-row decode step 3.3 -> 2.8 ms against one pair an item) */
+        const int64_t per = (runs + 8 * nt - 1) / (8 * nt), items = (runs + per - 1) / per;
+        for (int64_t j; (j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < items;) {
+            const int64_t c = j * per * 2 * NR, c1 = c + per * 2 * NR;
+            cols((const uint16_t *)buf, m, w, k, c, c1 < n ? c1 : n, y, ldy);
         }
     }
 }
