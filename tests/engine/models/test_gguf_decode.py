@@ -417,7 +417,7 @@ def test_float32_amx_steps_cut_into_row_blocks_give_the_uncut_floats(
         amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of many rows on the float32 AMX kernel runs its projections a block of rows at a time once the
-    rows' split x passes FusedDecodeStep's row_block_bytes (gguf_decode.c, row_block). Each row's sums are
+    rows' split x passes its C model table's row_block_bytes (gguf_decode.c, row_block). Each row's sums are
     the same ones in any block, so prefills and a step of decode rows with new prompts, cut into blocks of 16
     to 32 rows (some partial), give the uncut step's logits and cache bit for bit."""
     amx, _, backend = amx_pair

@@ -214,7 +214,7 @@ static void project(const kernels_t *k, const proj_t *p, const void *xq, int64_t
  * kernel takes row ranges (matmul_rows) and the rows' split x (6 bytes a value: the float32 AMX kernel's
  * three bfloat16 parts) is over `limit` bytes (0: never cut), blocks of equal rows, a multiple of 16, that
  * each fit. Each block is run against every column of the projection in turn, its x read from L2 while the
- * weights pass (FusedDecodeStep.row_block_bytes). */
+ * weights pass (model_t.row_block_bytes: gguf_decode.py's ROW_BLOCK_BYTES). */
 static inline int64_t row_block(const kernels_t *k, int64_t m, int64_t kdim, int64_t limit) {
     const int64_t bytes = m * kdim * 6;
     if (!k->matmul_rows || limit <= 0 || bytes <= limit) return m;
