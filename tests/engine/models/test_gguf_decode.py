@@ -29,6 +29,7 @@ from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
 from tandem_engine.models import gguf_decode, packed_linear
 from tandem_engine.models import llama as llama_module
 from tandem_engine.models.amx_matmul import AmxBlockLinear, amx_unfit
+from tandem_engine.models.dense_matmul import FLOAT_PANELS_FROM_ROWS, load_dense_kernel
 from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
 from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -254,23 +255,28 @@ def test_bfloat16_on_amx_stays_closer_to_float32_than_bfloat16_op_by_op(
 
 
 @pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])
-def dense_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
-    """The tiny model with its projections in `param` blocks and a tied Q8_0 embedding, served dense twice:
-    its panels kept in the file's blocks, and in float32 (the second model not told which file it came from)."""
+def dense_trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               ) -> tuple[list[LlamaForCausalLM], LlamaForCausalLM, TorchAttentionBackend]:
+    """The tiny model with its projections in `param` blocks and a tied Q8_0 embedding, served dense three
+    times: its panels kept in the file's blocks, without float panels beside them and with them (for steps of
+    FLOAT_PANELS_FROM_ROWS rows or more, whatever the CPU); and in float32 (the model not told which file it
+    came from)."""
     tmp = tmp_path_factory.mktemp("dense_blocks")
     path = tiny_gguf(tmp / "tiny.gguf", request.param)
     backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    kernel = load_dense_kernel(tmp)  # this directory's, which PanelLinear asks whether float panels pay
+    assert kernel is not None
     models = []
-    for keep_blocks in (True, False):
+    for keep_blocks, keep_floats in ((True, False), (True, True), (False, False)):
         model = load_model(resolve_model(str(path), tmp), torch.float32).model
         assert model.gguf_file == path.resolve()
         if not keep_blocks:
             model.gguf_file = None
+        kernel.floats_pay = keep_floats
         model.use_fused_ops(load_fused_ops(tmp))
         assert fuse_decode_steps(model, backend, torch.float32, tmp, amx_float32=False) is None
         models.append(model)
-    return models[0], models[1], backend
+    return models[:2], models[2], backend
 
 
 def run_steps(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int) -> list[torch.Tensor]:
@@ -298,20 +304,31 @@ def run_steps(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_dense_panels_kept_in_the_files_blocks_give_the_same_floats(
-        dense_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int) -> None:
+        dense_trio: tuple[list[LlamaForCausalLM], LlamaForCausalLM, TorchAttentionBackend], threads: int) -> None:
     """Served dense, a GGUF model's panels keep the file's blocks (a fifth or a quarter of the bytes a decode
-    step streams): the prefill's small matmuls, every fused decode step, the head and the cache give the
-    floats of float32 panels, bit for bit."""
-    blocks, floats, backend = dense_pair
+    step streams), and may keep float panels beside them for steps of FLOAT_PANELS_FROM_ROWS rows or more
+    (here the prefill of 95 rows; the decode steps of 5 rows read the blocks): the prefill's small matmuls,
+    every fused decode step, the head and the cache give the floats of float32 panels alone, bit for bit."""
+    (blocks, both), floats, backend = dense_trio
     qtype = cast(DecoderLayer, blocks.layers[0]).panels["o"].qtype
     assert qtype in (int(Q4_1), int(Q8_0)) and floats.panel_head is not None and blocks.panel_head is not None
     n = 4 * TINY["layers"]
     kinds = f"{n} Q4_1, 1 Q8_0" if qtype == int(Q4_1) else f"{n + 1} Q8_0"
-    assert cast(FusedDecodeStep, blocks.decode_step).kind == f"float32 panel matmuls, weights in {kinds} panels"
-    assert blocks.panel_head.qtype == int(Q8_0)
+    kind = f"float32 panel matmuls, weights in {kinds} panels"
+    assert cast(FusedDecodeStep, blocks.decode_step).kind == kind
+    assert cast(FusedDecodeStep, both.decode_step)._models[0][0] == FLOAT_PANELS_FROM_ROWS
+    assert cast(FusedDecodeStep, both.decode_step).kind == \
+        f"{kind}; from {FLOAT_PANELS_FROM_ROWS} rows float32 panel matmuls over the same weights in float32 panels"
+    assert blocks.panel_head.qtype == int(Q8_0) and blocks.panel_head.floats is None
     assert blocks.panel_head.panels.nbytes * 3 < floats.panel_head.panels.nbytes
-    for got, want in zip(run_steps(blocks, backend, threads), run_steps(floats, backend, threads), strict=True):
-        bit_for_bit(got, want)
+    head = both.panel_head
+    assert head is not None and head.floats is not None and torch.equal(head.floats, floats.panel_head.panels)
+    assert head.step_panels(FLOAT_PANELS_FROM_ROWS - 1) == (head.panels, head.qtype)
+    assert head.step_panels(FLOAT_PANELS_FROM_ROWS)[0] is head.floats
+    want = run_steps(floats, backend, threads)
+    for model in (blocks, both):
+        for got, w in zip(run_steps(model, backend, threads), want, strict=True):
+            bit_for_bit(got, w)
 
 
 def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
@@ -509,10 +526,16 @@ def test_dense_steps_with_prefill_chunks_run_fused_only_where_the_panels_are_the
     assert step.chunk_row_limit == limit
     caches = kv_caches(TINY["layers"], 256, BS, TINY["kv_heads"], TINY["hidden"] // TINY["heads"], torch.float32)
     tables = [[1 + i // BS] for i in range(limit)]
-    assert step.refusal(make_meta([limit - 8, 8], [limit - 8, 8], [list(range(1, limit // BS + 1)), [200, 201]],
-                                  BS), caches) == f"{limit} rows with a prefill chunk (fused below {limit})"
-    assert step.refusal(make_meta([limit - 9, 8], [limit - 9, 8], [list(range(1, limit // BS + 1)), [200, 201]],
-                                  BS), caches) is None
+
+    def chunks(rows: int) -> Any:
+        """Prompts of `rows` tokens in all, each within the tiny model's RoPE table, and a prompt of 8."""
+        lens = [96] * (rows // 96) + ([rows % 96] if rows % 96 else [])
+        starts = [sum(-(-n // BS) for n in lens[:i]) + 1 for i in range(len(lens))]
+        blocks = [list(range(a, a + -(-n // BS))) for a, n in zip(starts, lens, strict=True)]
+        return make_meta([*lens, 8], [*lens, 8], [*blocks, [200, 201]], BS)
+
+    assert step.refusal(chunks(limit - 8), caches) == f"{limit} rows with a prefill chunk (fused below {limit})"
+    assert step.refusal(chunks(limit - 9), caches) is None
     assert step.refusal(make_meta([1] * limit, [3] * limit, tables, BS), caches) is None
 
 

@@ -443,6 +443,9 @@ void tandem_dense_unpack(const uint8_t *w, int qtype, int64_t panels, int64_t k,
 /* Output columns a tile covers: runs of columns starting on multiples of this take whole tiles. */
 int tandem_dense_tile_cols(void) { return PANELS * NR; }
 
+/* Bits of the vectors this build computes in (512, 256, or 0: the scalar loop). */
+int tandem_dense_vector_bits(void) { return VECTOR; }
+
 /* The fused decode step's entry points (models/gguf_decode.c, kernels_t), in the int8 kernel's shape:
  * `quantize` copies blocks [i0, i1) of 32 values of x [m, k] (row stride ldx, k a multiple of 32) into buf as
  * [m, k] floats; `matmul_cols` computes columns [i0, i1) of y from that copy over the panels w (qtype: F32 or block panels). */

@@ -11,7 +11,9 @@ A model loaded from a GGUF file holds the floats its Q4_1 and Q8_0 blocks dequan
 keep those blocks instead (`pack_block_panels`): the kernel unpacks them to the same floats inside the
 matmul (d * q is exact in float32), and a decode step streams 0.625 or 1.06 bytes a weight instead of 4.
 `PanelLinear` packs them where it is given the blocks and keeps them only if they unpack to its weight bit
-for bit.
+for bit. On the AVX2 build it keeps the float panels beside them for matmuls of FLOAT_PANELS_FROM_ROWS rows or
+more, where unpacking costs more than the smaller read saves (docs/architecture.md, "Float panels beside the
+blocks").
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ PANEL_MAX_ROWS = 512
 # from 128 to 512; a prefill of 32 x 256 tokens in 512-token steps spent 9% less in its matmuls on oneDNN.
 PANEL_MAX_ROWS_AVX512 = 96
 F32 = 0  # the qtype of float panels (ggml's id for F32); block panels take their blocks' type id (BLOCKS)
+# Matmuls of this many rows or more read float panels where a projection keeps them beside its block panels
+# (PanelLinear's `floats`; the AVX2 build only, DenseKernel.floats_pay). Unpacking a block costs about what
+# the FMAs over it cost for a few rows, and a step of many rows is not held up by memory even at 4 bytes a
+# weight. On 2 threads of an AVX2 EPYC (Zen 3), SmolLM2's projections with the weights streamed, float against
+# Q4_1 panels in turn (best of 7): 16 rows 1.2-1.35x, 32 rows 1.0-1.4x (1.1x typical), 512 rows 1.0-1.3x; the
+# engine's batch-32 decode step, two engines in one process stepping in turn, 0.924x and 0.932x the time. With
+# fewer rows the 0.6-1 bytes a weight of the blocks win (one stream is bound by memory).
+FLOAT_PANELS_FROM_ROWS = 16
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -94,6 +104,9 @@ class DenseKernel:
         # Output columns of a tile (one panel, or two in the AVX-512 build): runs of columns that start on
         # multiples of it take whole tiles.
         self.tile_cols = int(lib.tandem_dense_tile_cols())
+        # Whether projections that keep block panels keep float panels too, for FLOAT_PANELS_FROM_ROWS rows or
+        # more: measured on the AVX2 build only (on an AVX-512 Xeon such steps take the AMX copies instead).
+        self.floats_pay = int(lib.tandem_dense_vector_bits()) == 256
         # Op-by-op matmuls of up to this many rows run here, larger ones on oneDNN (DecoderLayer._project).
         self.max_rows = PANEL_MAX_ROWS_AVX512 if self.tile_cols > PANEL else PANEL_MAX_ROWS
 
@@ -148,12 +161,15 @@ class PanelLinear:
     """A projection's panel copy: y [rows, out] = x [rows, in] @ W.T + b on the panel kernel. Given `blocks`,
     the GGUF blocks the weight was dequantized from (its rows in order, one part per checkpoint tensor), it
     keeps them as block panels if they are of one type the kernel reads and unpack to `weight` bit for bit,
-    else float panels (`why_float` says why)."""
+    else float panels (`why_float` says why). Beside block panels it keeps the float panels too (`floats`)
+    where `keep_floats` (default: the kernel's `floats_pay`): matmuls of FLOAT_PANELS_FROM_ROWS rows or more
+    then read those, the same floats."""
 
     def __init__(self, weight: torch.Tensor, kernel: DenseKernel,
-                 blocks: Sequence[QuantizedWeight] | None = None) -> None:
+                 blocks: Sequence[QuantizedWeight] | None = None, keep_floats: bool | None = None) -> None:
         self.out_features, self.kernel = weight.shape[0], kernel
         self.qtype, self.why_float = F32, "" if blocks is None else self._why_not_blocks(weight, blocks)
+        self.floats: torch.Tensor | None = None
         if blocks is None or self.why_float:
             self.panels = pack_panels(weight)
             return
@@ -164,6 +180,8 @@ class PanelLinear:
         if not torch.equal(kernel.unpack(self.panels, self.qtype, weight.shape[1]).view(torch.int32),
                            floats.view(torch.int32)):
             self.qtype, self.why_float, self.panels = F32, "its blocks do not unpack to its weight", floats
+        elif kernel.floats_pay if keep_floats is None else keep_floats:
+            self.floats = floats
 
     @staticmethod
     def _why_not_blocks(weight: torch.Tensor, blocks: Sequence[QuantizedWeight]) -> str:
@@ -174,9 +192,15 @@ class PanelLinear:
             return f"its blocks are not a {tuple(weight.shape)} weight"
         return ""
 
+    def step_panels(self, rows: int) -> tuple[torch.Tensor, int]:
+        """The panels a matmul of `rows` rows reads, and their qtype."""
+        if self.floats is not None and rows >= FLOAT_PANELS_FROM_ROWS:
+            return self.floats, F32
+        return self.panels, self.qtype
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.kernel.matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels, self.out_features,
-                               qtype=self.qtype)
+        panels, qtype = self.step_panels(x.shape[0])
+        y = self.kernel.matmul(x if x.stride(-1) == 1 else x.contiguous(), panels, self.out_features, qtype=qtype)
         return y if bias is None else y.add_(bias)
 
 

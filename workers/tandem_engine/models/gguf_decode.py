@@ -45,7 +45,7 @@ from tandem_engine.attention.torch_backend import (
 )
 from tandem_engine.kernels.build import base_flags, try_build
 from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, BF16, AmxKernel, amx_unfit, load_amx_kernel
-from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, load_dense_kernel
+from tandem_engine.models.dense_matmul import F32, FLOAT_PANELS_FROM_ROWS, DenseBlocks, DenseKernel, load_dense_kernel
 from tandem_engine.models.gguf_linear import GGUFLinear
 from tandem_engine.models.gguf_quantized import dense_blocks
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -149,6 +149,20 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlo
                          for name, p in layer.panels.items()} for layer in layers])
 
 
+def float_panel_matmuls(model: LlamaForCausalLM) -> StepMatmuls | None:
+    """The step's matmuls over the float panels that `model`'s block panels keep beside them (PanelLinear's
+    `floats`), for steps of FLOAT_PANELS_FROM_ROWS rows or more; None unless every projection keeps them."""
+    layers = [cast(DecoderLayer, layer).panels for layer in model.layers]
+    floats = [{name: p.floats for name, p in panels.items() if p.floats is not None} for panels in layers]
+    if any(len(f) != len(_PROJECTIONS) for f in floats):
+        return None
+    kernel = layers[0]["qkv"].kernel
+    return StepMatmuls("float32 panel matmuls over the same weights in float32 panels", kernel.entries,
+                       kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT, kernel.max_rows + 1,
+                       [{name: ([(f[name], p.out_features, F32)], p.out_features) for name, p in panels.items()}
+                        for f, panels in zip(floats, layers, strict=True)])
+
+
 def amx_f32_matmuls(model: LlamaForCausalLM, kernel: AmxKernel, blocks: DenseBlocks | None) -> StepMatmuls | None:
     """The step's matmuls on the float32 AMX kernel, over copies of the blocks `model`'s panels keep (made
     here from `blocks`, once: use_amx_f32); None if a projection has no copy."""
@@ -213,7 +227,7 @@ class FusedDecodeStep:
         assert entries is not None
         self._row_entries, self._attention_entries, self._attention = row_entries, entries, attention
         # (from rows, the model on those matmuls, their buffer's bytes): steps of at least `large`'s rows run
-        # on its matmuls (the float32 AMX kernel), others on `matmuls`.
+        # on its matmuls (the float32 AMX kernel, or float panels: fuse_decode_steps), others on `matmuls`.
         self._models = [(0, self._c_model(model, matmuls), matmuls.x_bytes)]
         self.kind = matmuls.kind
         if large is not None:
@@ -410,6 +424,8 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
         f32 = None if amx is None else amx_f32_matmuls(model, amx, blocks)
         if f32 is not None:
             large = AMX_F32_FROM_ROWS, f32
+        elif (floats := float_panel_matmuls(model)) is not None:
+            large = FLOAT_PANELS_FROM_ROWS, floats
     row_entries = model.ops.row_entries
     assert row_entries is not None
     model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, cast(TorchAttentionBackend, backend), large)
