@@ -98,6 +98,9 @@ class EngineConfig:
     # float32 matmuls of 32 rows or more on AMX over a GGUF file's blocks, where the CPU has AMX
     # (models/amx_matmul.py)
     cpu_amx_float32: bool = True
+    # on the AVX2 build of the panel kernel, float panels beside a GGUF file's blocks for matmuls of 16 rows or
+    # more (models/dense_matmul.py, FLOAT_PANELS_FROM_ROWS): faster batches for 4 more bytes a weight
+    cpu_float_panels: bool = True
     quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)
     # Start-up

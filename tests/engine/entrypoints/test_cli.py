@@ -32,7 +32,7 @@ def test_flags_reach_the_config() -> None:
         "--model", "/m", "--dtype", "float32", "--role", "decode", "--max-model-len", "512",
         "--num-kv-blocks", "8", "--no-prefix-caching", "--ready-timeout", "5", "--kv-failure-policy",
         "recompute", "--no-cpu-attention-kernel", "--no-cpu-fused-kernels", "--no-onednn-pack", "--no-cpu-amx-float32",
-        "--cache-dir", "/tmp/c",
+        "--no-cpu-float-panels", "--cache-dir", "/tmp/c",
         "--scheduling-policy", "priority", "--max-waiting-requests", "0", "--port", "9000",
         "--kv-cache-dtype", "bfloat16",
     ])
@@ -41,7 +41,7 @@ def test_flags_reach_the_config() -> None:
         EngineConfig(), model="/m", dtype="float32", role="decode", max_model_len=512, num_kv_blocks=8,
         enable_prefix_caching=False, ready_timeout_s=5.0, kv_failure_policy="recompute",
         cpu_attention_kernel=False, cpu_fused_kernels=False, onednn_pack=False, cpu_amx_float32=False,
-        cache_dir="/tmp/c", scheduling_policy="priority",
+        cpu_float_panels=False, cache_dir="/tmp/c", scheduling_policy="priority",
         max_waiting_requests=0, kv_cache_dtype="bfloat16",
     )
     assert args.port == 9000

@@ -331,6 +331,28 @@ def test_dense_panels_kept_in_the_files_blocks_give_the_same_floats(
             bit_for_bit(got, w)
 
 
+def test_no_cpu_float_panels_keeps_the_blocks_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where float panels pay (forced here, whatever the CPU), an engine keeps them beside the blocks for steps
+    of FLOAT_PANELS_FROM_ROWS rows or more; `--no-cpu-float-panels` keeps the blocks alone."""
+    path = tiny_gguf(tmp_path / "tiny.gguf", Q4_1)
+    kernel = load_dense_kernel(tmp_path)
+    assert kernel is not None
+    monkeypatch.setattr(kernel, "floats_pay", True)
+
+    def model(**kw: Any) -> LlamaForCausalLM:
+        core = EngineCore(EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path), block_size=BS,
+                                       num_kv_blocks=64, cpu_amx_float32=False, **kw))
+        core.shutdown()
+        return core.runner.model
+
+    for on in (True, False):
+        m = model(cpu_float_panels=on)
+        panels = [p for layer in m.layers for p in cast(DecoderLayer, layer).panels.values()]
+        assert m.panel_head is not None and all(p.qtype == int(Q4_1) for p in panels)
+        assert all((p.floats is not None) == on for p in [*panels, m.panel_head])
+        assert ("; from 16 rows float32 panel matmuls" in cast(FusedDecodeStep, m.decode_step).kind) == on
+
+
 def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """q in Q4_1 and k in Q8_0 (one panel set cannot hold both): q|k|v keeps float panels, with a warning

@@ -110,6 +110,10 @@ def _add_engine_flags(p: argparse.ArgumentParser, d: EngineConfig) -> None:
     compute.add_argument("--cpu-amx-float32", action=argparse.BooleanOptionalAction, default=d.cpu_amx_float32,
                          help="a float32 model from a GGUF file runs its matmuls of 32 rows or more on AMX tiles, "
                               "in float32 arithmetic (a CPU with AMX; off: the same sums at every batch size)")
+    compute.add_argument("--cpu-float-panels", action=argparse.BooleanOptionalAction, default=d.cpu_float_panels,
+                         help="a float32 model from a GGUF file keeps float32 copies of its weights beside their "
+                              "blocks for matmuls of 16 rows or more, where the panel kernel is the AVX2 build "
+                              "(faster batches for 4 more bytes of memory a weight; off: the blocks alone)")
 
 
 def _positive(value: str) -> int:

@@ -131,11 +131,13 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
          for layer in linears])
 
 
-def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlocks | None) -> StepMatmuls:
+def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlocks | None,
+                  keep_floats: bool | None = None) -> StepMatmuls:
     """The step's matmuls over panel copies of `model`'s projections (made here, once: use_panels), kept in
-    the GGUF blocks the weights were dequantized from where `blocks` has them (the same floats)."""
+    the GGUF blocks the weights were dequantized from where `blocks` has them (the same floats), with float
+    panels beside them as `keep_floats` says (PanelLinear)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    model.use_panels(kernel, blocks)
+    model.use_panels(kernel, blocks, keep_floats)
     panels = [p for layer in layers for p in layer.panels.values()]
     if model.panel_head is not None:
         panels.append(model.panel_head)
@@ -392,11 +394,13 @@ def load_decode_kernel(cache_dir: Path) -> ctypes.CDLL | None:
 
 
 def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype,
-                      cache_dir: Path, amx_float32: bool = True) -> str | None:
+                      cache_dir: Path, amx_float32: bool = True, float_panels: bool = True) -> str | None:
     """From now on run `model`'s decode steps fused where they qualify (`model.decode_step`), with the
     kernels built under `cache_dir`; or say why they cannot be (and leave the model as it was).
     `amx_float32` (`--cpu-amx-float32`): a float32 model from a GGUF file, on a CPU with AMX, runs its matmuls
-    of AMX_F32_FROM_ROWS rows or more, fused steps and op by op, on the float32 AMX kernel."""
+    of AMX_F32_FROM_ROWS rows or more, fused steps and op by op, on the float32 AMX kernel. `float_panels`
+    (`--cpu-float-panels`): its block panels may keep float panels beside them (PanelLinear, where the kernel's
+    `floats_pay`); off, they never do."""
     reason = _unfit(model, backend, kv_dtype)
     if reason is not None:
         return reason
@@ -419,7 +423,7 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
         # the file's blocks, read once (not again for a second ModelRunner over the same model)
         blocks = None if model.gguf_file is None or first.panels else dense_blocks(
             model.gguf_file, len(model.layers), model.tie_word_embeddings)
-        matmuls = dense_matmuls(model, dense, blocks)
+        matmuls = dense_matmuls(model, dense, blocks, None if float_panels else False)
         amx = load_amx_kernel(cache_dir) if amx_float32 else None
         f32 = None if amx is None else amx_f32_matmuls(model, amx, blocks)
         if f32 is not None:

@@ -175,16 +175,17 @@ class DecoderLayer(nn.Module):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.packed.pop(name, None)
 
-    def use_panels(self, kernel: DenseKernel, blocks: dict[str, list[QuantizedWeight]] | None = None) -> None:
+    def use_panels(self, kernel: DenseKernel, blocks: dict[str, list[QuantizedWeight]] | None = None,
+                   keep_floats: bool | None = None) -> None:
         """Make the panel copies of the dense projections, from `blocks` where it has a projection's GGUF
-        blocks (PanelLinear). Matmuls of up to `kernel.max_rows` rows then run on them (faster than F.linear
+        blocks (PanelLinear, with float panels beside them as `keep_floats` says). Matmuls of up to `kernel.max_rows` rows then run on them (faster than F.linear
         and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a projection that has both frees
         its plain weight (its shape becomes [0]). Projections that have their panels already keep them (a
         second ModelRunner over the same loaded model)."""
         for name, (weight, _) in self.projections().items():
             if name in self.quantized or name in self.panels:
                 continue
-            self.panels[name] = PanelLinear(weight, kernel, (blocks or {}).get(name))
+            self.panels[name] = PanelLinear(weight, kernel, (blocks or {}).get(name), keep_floats)
             if self.packed.get(name) is not None:
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
@@ -398,18 +399,20 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
         return linear(hidden, w, None, self.packed_lm_head).float()
 
-    def use_panels(self, kernel: DenseKernel, blocks: DenseBlocks | None = None) -> None:
+    def use_panels(self, kernel: DenseKernel, blocks: DenseBlocks | None = None,
+                   keep_floats: bool | None = None) -> None:
         """Run the dense projections' matmuls of up to `kernel.max_rows` rows, and the head's of any, on float32
         panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
         are freed (their shape becomes [0]). Copies made already are kept. `blocks`: the GGUF blocks the
-        weights were dequantized from, which the panels keep instead where they can (PanelLinear)."""
+        weights were dequantized from, which the panels keep instead where they can, with float panels beside
+        them as `keep_floats` says (PanelLinear)."""
         for i, layer in enumerate(self.layers):
-            cast(DecoderLayer, layer).use_panels(kernel, None if blocks is None else blocks.layers[i])
+            cast(DecoderLayer, layer).use_panels(kernel, None if blocks is None else blocks.layers[i], keep_floats)
         if self.quantized_head is None and self.dtype == torch.float32 and self.panel_head is None:
             tied = self.tie_word_embeddings and self.embed_tokens.numel() > 0
             head_blocks = None if blocks is None or blocks.head is None else [blocks.head]
-            self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel, head_blocks)
+            self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel, head_blocks, keep_floats)
             self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
             self.packed_lm_head = None
 

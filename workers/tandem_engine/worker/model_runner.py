@@ -69,7 +69,7 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path,
-                                amx_float32=config.cpu_amx_float32)
+                                amx_float32=config.cpu_amx_float32, float_panels=config.cpu_float_panels)
         if (step := self.model.decode_step) is not None:
             rows = f"fewer than {step.row_limit} rows" if step.row_limit < DENSE_ROW_LIMIT else "any number of rows"
             if step.chunk_row_limit < step.row_limit:
