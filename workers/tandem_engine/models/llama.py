@@ -178,10 +178,11 @@ class DecoderLayer(nn.Module):
     def use_panels(self, kernel: DenseKernel, blocks: dict[str, list[QuantizedWeight]] | None = None,
                    keep_floats: bool | None = None) -> None:
         """Make the panel copies of the dense projections, from `blocks` where it has a projection's GGUF
-        blocks (PanelLinear, with float panels beside them as `keep_floats` says). Matmuls of up to `kernel.max_rows` rows then run on them (faster than F.linear
-        and oneDNN there), larger prefill chunks on oneDNN's packed copy, so a projection that has both frees
-        its plain weight (its shape becomes [0]). Projections that have their panels already keep them (a
-        second ModelRunner over the same loaded model)."""
+        blocks (PanelLinear, with float panels beside them as `keep_floats` says). Matmuls of up to
+        `kernel.max_rows` rows then run on them (faster than F.linear and oneDNN there), larger prefill chunks
+        on oneDNN's packed copy, so a projection that has both frees its plain weight (its shape becomes [0]).
+        Projections that have their panels already keep them (a second ModelRunner over the same loaded
+        model)."""
         for name, (weight, _) in self.projections().items():
             if name in self.quantized or name in self.panels:
                 continue
