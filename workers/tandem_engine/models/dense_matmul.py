@@ -104,11 +104,12 @@ class DenseKernel:
         # Output columns of a tile (one panel, or two in the AVX-512 build): runs of columns that start on
         # multiples of it take whole tiles.
         self.tile_cols = int(lib.tandem_dense_tile_cols())
-        # Whether projections that keep block panels keep float panels too, for FLOAT_PANELS_FROM_ROWS rows or
-        # more: measured on the AVX2 build only (on an AVX-512 Xeon such steps take the AMX copies instead).
-        self.floats_pay = int(lib.tandem_dense_vector_bits()) == 256
+        vector_bits = int(lib.tandem_dense_vector_bits())  # 512, 256, or 0 (the scalar loop)
+        # Whether projections that keep block panels should keep float panels too, for FLOAT_PANELS_FROM_ROWS
+        # rows or more: measured on the AVX2 build only (on an AVX-512 Xeon such steps take the AMX copies).
+        self.floats_pay = vector_bits == 256
         # Op-by-op matmuls of up to this many rows run here, larger ones on oneDNN (DecoderLayer._project).
-        self.max_rows = PANEL_MAX_ROWS_AVX512 if self.tile_cols > PANEL else PANEL_MAX_ROWS
+        self.max_rows = PANEL_MAX_ROWS_AVX512 if vector_bits == 512 else PANEL_MAX_ROWS
 
     @staticmethod
     def x_bytes(m: int, k: int) -> int:
@@ -162,11 +163,11 @@ class PanelLinear:
     the GGUF blocks the weight was dequantized from (its rows in order, one part per checkpoint tensor), it
     keeps them as block panels if they are of one type the kernel reads and unpack to `weight` bit for bit,
     else float panels (`why_float` says why). Beside block panels it keeps the float panels too (`floats`)
-    where `keep_floats` (default: the kernel's `floats_pay`): matmuls of FLOAT_PANELS_FROM_ROWS rows or more
-    then read those, the same floats."""
+    if `keep_floats` (fuse_decode_steps: where the kernel's `floats_pay`): matmuls of FLOAT_PANELS_FROM_ROWS
+    rows or more then read those, the same floats."""
 
     def __init__(self, weight: torch.Tensor, kernel: DenseKernel,
-                 blocks: Sequence[QuantizedWeight] | None = None, keep_floats: bool | None = None) -> None:
+                 blocks: Sequence[QuantizedWeight] | None = None, keep_floats: bool = False) -> None:
         self.out_features, self.kernel = weight.shape[0], kernel
         self.qtype, self.why_float = F32, "" if blocks is None else self._why_not_blocks(weight, blocks)
         self.floats: torch.Tensor | None = None
@@ -180,7 +181,7 @@ class PanelLinear:
         if not torch.equal(kernel.unpack(self.panels, self.qtype, weight.shape[1]).view(torch.int32),
                            floats.view(torch.int32)):
             self.qtype, self.why_float, self.panels = F32, "its blocks do not unpack to its weight", floats
-        elif kernel.floats_pay if keep_floats is None else keep_floats:
+        elif keep_floats:
             self.floats = floats
 
     @staticmethod

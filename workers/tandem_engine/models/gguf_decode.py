@@ -132,7 +132,7 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
 
 
 def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlocks | None,
-                  keep_floats: bool | None = None) -> StepMatmuls:
+                  keep_floats: bool = False) -> StepMatmuls:
     """The step's matmuls over panel copies of `model`'s projections (made here, once: use_panels), kept in
     the GGUF blocks the weights were dequantized from where `blocks` has them (the same floats), with float
     panels beside them as `keep_floats` says (PanelLinear)."""
@@ -145,10 +145,17 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlo
     for why in sorted({p.why_float for p in panels if p.why_float}):
         logger.warning("float32 panels for a projection whose GGUF blocks the kernel cannot keep: %s", why)
     kind = "float32 panel matmuls, weights in " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + " panels"
+    return _panel_matmuls(kind, kernel, [{name: (p.panels, p.out_features, p.qtype) for name, p in layer.panels.items()}
+                                         for layer in layers])
+
+
+def _panel_matmuls(kind: str, kernel: DenseKernel, layers: list[dict[str, tuple[torch.Tensor, int, int]]],
+                   ) -> StepMatmuls:
+    """The panel kernel's StepMatmuls over `layers`' panels (per projection: panels, columns, qtype)."""
     # Prefill chunks op by op run on the panels up to the kernel's max_rows, on oneDNN past them (faster there).
     return StepMatmuls(kind, kernel.entries, kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT, kernel.max_rows + 1,
-                       [{name: ([(p.panels, p.out_features, p.qtype)], p.out_features)
-                         for name, p in layer.panels.items()} for layer in layers])
+                       [{name: ([(panels, cols, qtype)], cols) for name, (panels, cols, qtype) in layer.items()}
+                        for layer in layers])
 
 
 def float_panel_matmuls(model: LlamaForCausalLM) -> StepMatmuls | None:
@@ -158,11 +165,9 @@ def float_panel_matmuls(model: LlamaForCausalLM) -> StepMatmuls | None:
     floats = [{name: p.floats for name, p in panels.items() if p.floats is not None} for panels in layers]
     if any(len(f) != len(_PROJECTIONS) for f in floats):
         return None
-    kernel = layers[0]["qkv"].kernel
-    return StepMatmuls("float32 panel matmuls over the same weights in float32 panels", kernel.entries,
-                       kernel.x_bytes, kernel.tile_cols, DENSE_ROW_LIMIT, kernel.max_rows + 1,
-                       [{name: ([(f[name], p.out_features, F32)], p.out_features) for name, p in panels.items()}
-                        for f, panels in zip(floats, layers, strict=True)])
+    return _panel_matmuls("float32 panel matmuls over the same weights in float32 panels", layers[0]["qkv"].kernel,
+                          [{name: (f[name], p.out_features, F32) for name, p in panels.items()}
+                           for f, panels in zip(floats, layers, strict=True)])
 
 
 def amx_f32_matmuls(model: LlamaForCausalLM, kernel: AmxKernel, blocks: DenseBlocks | None) -> StepMatmuls | None:
@@ -399,8 +404,8 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
     kernels built under `cache_dir`; or say why they cannot be (and leave the model as it was).
     `amx_float32` (`--cpu-amx-float32`): a float32 model from a GGUF file, on a CPU with AMX, runs its matmuls
     of AMX_F32_FROM_ROWS rows or more, fused steps and op by op, on the float32 AMX kernel. `float_panels`
-    (`--cpu-float-panels`): its block panels may keep float panels beside them (PanelLinear, where the kernel's
-    `floats_pay`); off, they never do."""
+    (`--cpu-float-panels`): its block panels keep float panels beside them where the panel kernel's
+    `floats_pay` (PanelLinear); off, they never do."""
     reason = _unfit(model, backend, kv_dtype)
     if reason is not None:
         return reason
@@ -423,7 +428,7 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
         # the file's blocks, read once (not again for a second ModelRunner over the same model)
         blocks = None if model.gguf_file is None or first.panels else dense_blocks(
             model.gguf_file, len(model.layers), model.tie_word_embeddings)
-        matmuls = dense_matmuls(model, dense, blocks, None if float_panels else False)
+        matmuls = dense_matmuls(model, dense, blocks, float_panels and dense.floats_pay)
         amx = load_amx_kernel(cache_dir) if amx_float32 else None
         f32 = None if amx is None else amx_f32_matmuls(model, amx, blocks)
         if f32 is not None:

@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
         self.packed.pop(name, None)
 
     def use_panels(self, kernel: DenseKernel, blocks: dict[str, list[QuantizedWeight]] | None = None,
-                   keep_floats: bool | None = None) -> None:
+                   keep_floats: bool = False) -> None:
         """Make the panel copies of the dense projections, from `blocks` where it has a projection's GGUF
         blocks (PanelLinear, with float panels beside them as `keep_floats` says). Matmuls of up to
         `kernel.max_rows` rows then run on them (faster than F.linear and oneDNN there), larger prefill chunks
@@ -401,7 +401,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, w, None, self.packed_lm_head).float()
 
     def use_panels(self, kernel: DenseKernel, blocks: DenseBlocks | None = None,
-                   keep_floats: bool | None = None) -> None:
+                   keep_floats: bool = False) -> None:
         """Run the dense projections' matmuls of up to `kernel.max_rows` rows, and the head's of any, on float32
         panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
