@@ -115,6 +115,9 @@ class NodeAgent:
             worker.halt()
         for worker in workers:
             worker.join(15.0)
+            if not worker.done:
+                # The network's teardown below still waits for a create or destroy it is in the middle of.
+                logger.warning("[shutdown] pod %s/%s: worker still running after 15 s", worker.namespace, worker.name)
         for thread in self._threads:
             thread.join(10.0)
         self.network.teardown()
@@ -258,6 +261,8 @@ class NodeAgent:
     def _pod_event(self, kind: str, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         with self._lock:
+            if self._stop.is_set():
+                return  # stop() has halted the workers it found: one started now would run on unhalted
             for done in [u for u, w in self._workers.items() if w.done]:
                 del self._workers[done]
                 self._finished.add(done)

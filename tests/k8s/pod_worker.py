@@ -141,7 +141,7 @@ class PodWorker:
         if problem:
             self.status.set_waiting_message(problem)
             self.api.event("FailedMount", problem, "Warning")
-        else:
+        elif not self._stopping():
             self.sandbox = self.node.network.create(self.uid)
             self.status.pod_ip = self.sandbox.ip
             self.refresh_hosts()
