@@ -6,10 +6,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from transformers import PretrainedConfig
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.cpu_budget import ThreadPlan
@@ -22,6 +21,9 @@ from tandem_engine.frontend.tokenizer_spec import tokenizer_spec
 from tandem_engine.models.loader import eos_token_ids, load_config_and_tokenizer, resolve_model
 from tandem_engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from tandem_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem_engine.models.loader import HFConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class AsyncLLM(EngineClient):
         return engine
 
     def __init__(self, config: EngineConfig, thread_plan: ThreadPlan, core: CoreClient,
-                 hf_config: PretrainedConfig, tokenizer: Any, eos_ids: list[int]) -> None:
+                 hf_config: HFConfig, tokenizer: Any, eos_ids: list[int]) -> None:
         """Takes a core client whose engines are READY (see `create`) and starts consuming its outputs."""
         self.config = config
         self.thread_plan = thread_plan

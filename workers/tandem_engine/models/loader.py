@@ -23,12 +23,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from tandem_engine.config import build_dir, default_cache_dir
 from tandem_engine.kernels.build import cpu_flags
@@ -36,12 +36,29 @@ from tandem_engine.models.gguf_quantized import load_gguf_quantized
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 # Bumped whenever the cache layout or its contents change, so stale caches are not reused.
 # 2: built from our own GGUF reader in one pass (config, tokenizer and weights in one directory).
-_CACHE_FORMAT = "2"
+# 3: with RESOLVED_CONFIG beside config.json.
+_CACHE_FORMAT = "3"
+# The config with every default of its transformers class filled in, and the generation defaults a server
+# takes from it, written with the GGUF cache: a warm start reads them as plain JSON (ResolvedConfig).
+RESOLVED_CONFIG = "tandem_resolved_config.json"
+
+
+class ResolvedConfig(SimpleNamespace):
+    """A model config read back from RESOLVED_CONFIG: every attribute its transformers class had, as plain
+    attributes. A warm start so imports no transformers config class: importing LlamaConfig alone pulls in
+    torch.distributed and took ~1.4 s of a 2-CPU machine, in the API server and the EngineCore at once."""
+
+
+if TYPE_CHECKING:
+    HFConfig = PretrainedConfig | ResolvedConfig  # what load_config returns; read its attributes only
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,7 @@ class ModelSource:
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM  # the native model, weights loaded, eval mode
-    hf_config: PretrainedConfig
+    hf_config: HFConfig
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -183,7 +200,7 @@ def _complete(d: Path) -> bool:
 def _build_gguf_cache(gguf: Path, out: Path) -> None:
     """Parse the GGUF once and write its config, tokenizer and float32 weights as an HF directory."""
     # Imported here: a warm start loads neither the gguf package nor transformers' Llama (seconds).
-    from transformers import LlamaConfig
+    from transformers import GenerationConfig, LlamaConfig
 
     from tandem_engine.models.gguf_file import GGUFFile
     from tandem_engine.models.gguf_tokenizer import build_tokenizer, builds_tokenizer
@@ -193,6 +210,8 @@ def _build_gguf_cache(gguf: Path, out: Path) -> None:
     config = LlamaConfig(**f.config_fields())
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+    resolved = {"config": config.to_dict(), "generation": _generation_config(out, config)}
+    (out / RESOLVED_CONFIG).write_text(json.dumps(resolved, indent=1, sort_keys=True))
     tokenizer: Any
     if builds_tokenizer(f.metadata):
         tokenizer = build_tokenizer(f.metadata)
@@ -209,7 +228,7 @@ def _build_gguf_cache(gguf: Path, out: Path) -> None:
                 time.perf_counter() - t1)
 
 
-def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, Any, dict[str, Any]]:
+def load_config_and_tokenizer(src: ModelSource) -> tuple[HFConfig, Any, dict[str, Any]]:
     """Config, tokenizer and generation defaults (for a GGUF, from its cache, built if need be)."""
     from transformers import AutoTokenizer
 
@@ -218,6 +237,8 @@ def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, Any, 
 
 
 def _generation_config(d: Path, config: PretrainedConfig) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
     if (d / "generation_config.json").is_file():
         gen = GenerationConfig.from_pretrained(d)
     else:
@@ -236,11 +257,11 @@ def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
-def eos_token_ids(config: PretrainedConfig, tokenizer: Any, gen: dict[str, Any]) -> list[int]:
+def eos_token_ids(config: HFConfig, tokenizer: Any, gen: dict[str, Any]) -> list[int]:
     return _eos_ids(config, tokenizer.eos_token_id, gen)
 
 
-def _eos_ids(config: PretrainedConfig, tokenizer_eos: int | None, gen: dict[str, Any]) -> list[int]:
+def _eos_ids(config: HFConfig, tokenizer_eos: int | None, gen: dict[str, Any]) -> list[int]:
     ids: list[int] = []
     for v in (gen.get("eos_token_id"), getattr(config, "eos_token_id", None), tokenizer_eos):
         for i in v if isinstance(v, list) else [v]:
@@ -274,9 +295,18 @@ def _tokenizer_eos_id(d: Path) -> int | None:
     return int(eos_id) if isinstance(eos_id, int) else None
 
 
-def load_config(src: ModelSource) -> tuple[PretrainedConfig, dict[str, Any]]:
-    """Config and generation defaults, without the tokenizer."""
+def load_config(src: ModelSource) -> tuple[HFConfig, dict[str, Any]]:
+    """Config and generation defaults, without the tokenizer: a GGUF's from the RESOLVED_CONFIG its cache
+    holds (caches of format 3 on), anything else from transformers' classes."""
     d = weights_dir(src)
+    if src.kind == "gguf" and (d / RESOLVED_CONFIG).is_file():
+        resolved = json.loads((d / RESOLVED_CONFIG).read_text())
+        config = resolved["config"] | {"_name_or_path": str(d)}
+        if isinstance(config.get("id2label"), dict):  # JSON made its int keys strings
+            config["id2label"] = {int(k): v for k, v in config["id2label"].items()}
+        return ResolvedConfig(**config), dict(resolved["generation"])
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(d)
     return config, _generation_config(d, config)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import Any
 
 from tandem_engine.models.llama import LlamaForCausalLM
 
@@ -21,7 +21,8 @@ _MODEL_TYPES = {
 }
 
 
-def get_model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
+def get_model_class(config: Any) -> type[LlamaForCausalLM]:
+    """config: a transformers config or loader.ResolvedConfig (attributes only)."""
     archs = list(getattr(config, "architectures", None) or [])
     if not archs and config.model_type in _MODEL_TYPES:
         archs = [_MODEL_TYPES[config.model_type]]
