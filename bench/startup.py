@@ -9,7 +9,7 @@ phases the server logs ([startup] lines: the cache build, the model load, the en
 ready). Wants a quiet machine (bench/harness.py records the
 load average); docs/benchmarks.md, "startup.py".
 
-    .venv/bin/python bench/startup.py [--trials 3 --model smollm2-135m-instruct --server-args "..."]
+    .venv/bin/python bench/startup.py [--trials 3 --model smollm2-135m-instruct --server-args "..."] [--name startup]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--trials", type=int, default=3, help="starts of each kind")
     ap.add_argument("--server-args", default="", help="extra `tandem serve` flags")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one start may take")
+    ap.add_argument("--name", default="startup", help="result file stem in bench/results/ (one per machine kind)")
     return ap.parse_args()
 
 
@@ -121,4 +122,5 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(bench_main("startup", parse_args(), run, table, plot))
+    args = parse_args()
+    sys.exit(bench_main(args.name, args, run, table, plot))
