@@ -133,15 +133,17 @@ def main() -> None:
                 "share": {k: r["output_throughput"] / v for k, v in own["ceiling_output_tok_s"].items()
                           if k.startswith(a.dtype + ",")}}
             print(f"round {i + 1}: tandem {r['output_throughput']:.1f} tok/s", flush=True)
+            this_round = []
             for dtype in hf_dtypes:
                 h = hf_generate(dtype, hf_prompts(a, a.seed + i), a.output_len) | {"round": i + 1}
                 print(f"round {i + 1}: transformers {dtype}: {h['output_tok_s']:.1f} tok/s", flush=True)
-                hf.append(h)
-            if hf_dtypes:
-                best = max((h for h in hf if h["round"] == i + 1), key=lambda h: h["output_tok_s"])
+                this_round.append((dtype, h))
+            if this_round:
+                fastest, best = max(this_round, key=lambda pair: pair[1]["output_tok_s"])
                 run["transformers"] = {"dtype": best["dtype"], "output_tok_s": best["output_tok_s"]}
                 run["speedup"] = r["output_throughput"] / best["output_tok_s"]
-                hf_dtypes = [getattr(torch, best["dtype"].removeprefix("torch."))]
+                hf += [h for _, h in this_round]
+                hf_dtypes = [fastest]
             runs.append(run)
         chosen = sorted(runs, key=lambda run: run["share"].get(f"{a.dtype}, {EACH_SHAPE}", 0.0))[len(runs) // 2]
         serving = chosen["summary"]
@@ -205,9 +207,9 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
                      + (f" (median of {len(each_round)} rounds)" if len(each_round) > 1 else "")
                      + f" | {rate:.1f} | | |")
     runs = r.get("tandem_runs", [])
+    paired = bool(runs) and all("speedup" in run for run in runs)  # rounds of tandem then transformers
     if len(runs) > 1:
         each = f"{r['config']['dtype']}, {EACH_SHAPE}"
-        paired = all("speedup" in run for run in runs)
         lines += ["", f"The workload ran in {len(runs)} rounds on the same server (the VM's speed drifts between "
                   "minutes, so every ratio is taken within a round): a roofline, then tandem's run"
                   + (", then transformers' best dtype on the same prompts" if paired else "")
@@ -222,7 +224,7 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
                      f"| {run['speedup']:.2f}x |" if paired else "") for i, run in enumerate(runs)]
     if r["speedup_vs_best_transformers"]:
         lines += ["", "Speed-up over the best transformers run"
-                  + (" (the median round's)" if runs and all("speedup" in run for run in runs) else "")
+                  + (" (the median round's)" if paired else "")
                   + f": **{r['speedup_vs_best_transformers']:.2f}x**."]
     if r.get("speedup_vs_transformers_same_dtype"):
         lines[-1] += (f" Over transformers in tandem's dtype ({r['config']['dtype']}): "

@@ -29,6 +29,18 @@ def network(tmp_path: Path, hook: Hook = lambda args: None) -> PodNetwork:
     return PodNetwork(cidr="10.99.0.0/29", run_ip=ip, etc_root=tmp_path)  # host .1, pods .2 to .6
 
 
+def pause_at(match: Callable[[tuple[str, ...]], bool]) -> tuple[Hook, threading.Event, threading.Event]:
+    """A hook that holds the first `ip` command `match` accepts until `release` is set, and `reached`."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(args: tuple[str, ...]) -> None:
+        if match(args):
+            reached.set()
+            release.wait(5)
+
+    return hook, reached, release
+
+
 def test_a_released_ip_is_reused_only_after_every_other_free_one(tmp_path: Path) -> None:
     """A pod that replaces another must not get its address back at once: peers' neighbour caches still
     hold the old pod's MAC, and connections to the new pod time out (a scale from zero did)."""
@@ -45,13 +57,7 @@ def test_a_sandbox_being_built_when_the_agent_stops_leaves_nothing_behind(tmp_pa
     """A pod whose sandbox is still being built when the agent tears the network down: the teardown waits
     for it and removes it (its /etc/netns files are not written after the teardown), and a pod that comes
     later is refused a sandbox."""
-    at_route, release = threading.Event(), threading.Event()
-
-    def hook(args: tuple[str, ...]) -> None:
-        if "route" in args:
-            at_route.set()
-            release.wait(5)
-
+    hook, at_route, release = pause_at(lambda args: "route" in args)
     net = network(tmp_path, hook)
     building = threading.Thread(target=net.create, args=("late-pod",))
     building.start()
@@ -73,13 +79,7 @@ def test_the_teardown_returns_only_after_a_pods_own_teardown_under_way(tmp_path:
     """A pod worker still removing its sandbox when the agent's teardown runs: the teardown must not find
     nothing to do and return, or the suite checks for leftovers (and may exit) before the worker has
     removed the pod's /etc/netns dir."""
-    at_netns_del, release = threading.Event(), threading.Event()
-
-    def hook(args: tuple[str, ...]) -> None:
-        if args[:2] == ("netns", "del"):
-            at_netns_del.set()
-            release.wait(5)
-
+    hook, at_netns_del, release = pause_at(lambda args: args[:2] == ("netns", "del"))
     net = network(tmp_path, hook)
     net.create("slow-pod")
     assert [p.name for p in tmp_path.iterdir()] == ["tandem0-slowpod"]
