@@ -7,7 +7,8 @@ batched `generate` on the same prompts, measured in the same run on the same mac
         --out bench/results/serving_omp_active.json   # engine threads spin at barriers (a machine to itself)
 
 tandem runs in float32 unless --dtype says otherwise: the numerics of the target. Writes
-bench/results/serving.json and bench/results/serving.md (or --out and its .md).
+bench/results/serving.json, .md and .png (or --out and its .md and .png); `--from-json PATH` writes the .md
+and .png of a result again without running anything.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import httpx
 import torch
-from harness import MODEL, RESULTS, describe, machine
+from harness import MODEL, RESULTS, describe, machine, save_plot
 from roofline import EACH_SHAPE
 
 from tandem_router.procs import tandem_child
@@ -94,7 +95,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1,
                     help="rounds, each a tandem run on the same server and then transformers' best dtype; "
                          "the median round is reported")
+    ap.add_argument("--from-json", metavar="PATH", help="write PATH's .md and .png again from PATH; run nothing")
     a = ap.parse_args()
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+        write_markdown(saved, Path(a.from_json).with_suffix(".md"))
+        plot(saved, Path(a.from_json).with_suffix(".png"))
+        return
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     from roofline import measure as roofline
@@ -172,7 +179,50 @@ def main() -> None:
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
     write_markdown(result, Path(a.out).with_suffix(".md"))
+    plot(result, Path(a.out).with_suffix(".png"))
     print(f"wrote {a.out}")
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Each round's tandem rate beside the ceiling measured just before it and the transformers run just
+    after it, with tandem's share of that ceiling and its speed-up written over its bar."""
+    runs = r.get("tandem_runs") or [{"summary": r["tandem"],
+                                     "ceiling_output_tok_s": r["roofline"]["ceiling_output_tok_s"]}]
+    each = f"{r['config']['dtype']}, {EACH_SHAPE}"
+
+    def draw(ax: Any) -> None:
+        xs = range(len(runs))
+        ceilings = [run["ceiling_output_tok_s"].get(each, 0.0) for run in runs]
+        ax.bar([x - 0.27 for x in xs], ceilings, 0.27, color="0.85", label=f"ceiling ({each})")
+        rates = [run["summary"]["output_throughput"] for run in runs]
+        ax.bar(list(xs), rates, 0.27, label=f"tandem serve ({r['config']['dtype']})")
+        paired = [run for run in runs if "transformers" in run]
+        if len(paired) == len(runs):
+            ax.bar([x + 0.27 for x in xs], [run["transformers"]["output_tok_s"] for run in runs], 0.27,
+                   label="transformers generate (best dtype)")
+        # the targets (docs/benchmarks.md) as dashes across tandem's bar: 70% of the ceiling, 2x transformers
+        ax.hlines([0.7 * c for c in ceilings], [x - 0.14 for x in xs], [x + 0.14 for x in xs], colors="k",
+                  linestyles="dashed", label="70% of the ceiling")
+        if len(paired) == len(runs):
+            ax.hlines([2 * run["transformers"]["output_tok_s"] for run in runs], [x - 0.14 for x in xs],
+                      [x + 0.14 for x in xs], colors="tab:red", linestyles="dotted", label="2x transformers")
+        elif r.get("transformers"):  # before paired rounds: transformers ran once, after all of tandem's runs
+            best = max(r["transformers"], key=lambda h: h["output_tok_s"])
+            ax.axhline(best["output_tok_s"], color="tab:orange", label=f"transformers generate ({best['dtype']})")
+            ax.axhline(2 * best["output_tok_s"], color="tab:red", linestyle="dotted", label="2x transformers")
+        for x, run, rate, ceiling in zip(xs, runs, rates, ceilings, strict=True):
+            note = f"{rate / ceiling:.0%}" if ceiling else ""
+            if "speedup" in run:
+                note += f"\n{run['speedup']:.2f}x"
+            ax.text(x, rate, note, ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [f"round {x + 1}" for x in xs])
+        ax.set_ylim(0, max(ceilings + rates) * 1.6)
+
+    load = r.get("load_average", {})
+    m = r["machine"]
+    title = f"{r['config']['concurrency']} streams, {m['cpus']} CPUs ({m.get('cpu_model', '?')})\n{r['time']}"
+    save_plot(path, (6.5, 4), title
+              + (f", 1-minute load {load['start']:.2f} before" if "start" in load else ""), "output tok/s", draw)
 
 
 def write_markdown(r: dict[str, Any], path: Path) -> None:
