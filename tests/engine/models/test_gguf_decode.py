@@ -175,6 +175,23 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, T
     return model, backend, tmp
 
 
+def test_int8_on_q8_0_blocks_runs_its_decode_steps_fused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--quantization int8` on a CPU without an int8 dot product: its projections become Q8_0 blocks, and its
+    decode steps and prefill chunks take the fused step of the GGUF kernel, with the op-by-op logits and cache
+    bit for bit."""
+    monkeypatch.setattr(llama_module, "cpu_flags", lambda: {"sse2", "avx", "avx2", "fma", "f16c"})
+    monkeypatch.setattr(llama_module.platform, "machine", lambda: "x86_64")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
+    model = load_model(resolve_model(str(path), tmp_path), torch.float32, quantization="int8").model
+    model.use_fused_ops(load_fused_ops(tmp_path))
+    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp_path)
+    assert fuse_decode_steps(model, backend, torch.float32, tmp_path) is None
+    step = model.decode_step
+    assert isinstance(step, FusedDecodeStep) and step.kind == "int8 GGUF matmuls"
+    decode_against_op_by_op(model, backend, 1, torch.float32, bit_for_bit)
+    chunks_against_op_by_op(model, backend, 1, torch.float32, bit_for_bit)
+
+
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
@@ -592,9 +609,8 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
     half.use_fused_ops(model.ops)
     assert fuse_decode_steps(half, backend, torch.float32, tmp) == (
         "a float16 model (fused without --quantization: float32, or bfloat16 on AMX)")
-    half.quantization = "int8"
-    assert fuse_decode_steps(half, backend, torch.float32, tmp) == (
-        "--quantization int8 (fused: gguf, or none in float32)")
+    half.quantization = "int8"  # its projections on torch's int8 matmul, not on the GGUF kernel's blocks
+    assert fuse_decode_steps(half, backend, torch.float32, tmp) == "a qkv projection not on the int8 GGUF kernel"
     bf16 = LlamaForCausalLM(model.config, torch.bfloat16)
     bf16.use_fused_ops(model.ops)
     with pytest.MonkeyPatch.context() as mp:  # a CPU without AMX

@@ -3,13 +3,26 @@ its dense self."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import cast
+
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from tandem_engine.models import llama
+from tandem_engine.models.gguf_linear import GGUFLinear, load_gguf_kernel
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import pick_dtype
-from tandem_engine.models.quantization import INT8_DOT_FLAGS, Int8Linear, check_supported, int8_speed_warning
+from tandem_engine.models.quantization import (
+    INT8_DOT_FLAGS,
+    Q8_0,
+    Int8Linear,
+    check_supported,
+    int8_on_blocks,
+    q8_0_blocks,
+)
 from tests.engine.utils import prompt_logits, tiny_config
 
 
@@ -76,27 +89,43 @@ RELATIVE_RMS_BOUND = 0.05
 MIN_TOP1_AGREEMENT = 0.85
 
 
+AVX2_ONLY = {"sse2", "avx", "avx2", "fma", "f16c"}
+ROUTES = {"blocks": AVX2_ONLY, "int_mm": AVX2_ONLY | {"amx_int8"}}
+
+
+@pytest.fixture(params=sorted(ROUTES))
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of int8's two implementations, chosen as on an x86 CPU without and with an int8 dot product."""
+    monkeypatch.setattr(llama, "cpu_flags", lambda: ROUTES[request.param])
+    monkeypatch.setattr(llama.platform, "machine", lambda: "x86_64")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q/k/v
-def test_int8_model_logits_stay_close_to_dense(family: str) -> None:
+def test_int8_model_logits_stay_close_to_dense(family: str, route: str, tmp_path: Path) -> None:
     dense, int8 = random_model(family, 0), random_model(family, 0)
-    int8.quantize("int8", torch.device("cpu"))
+    int8.quantize("int8", torch.device("cpu"), tmp_path)
     prompt = torch.randint(3, 128, (29,), generator=torch.Generator().manual_seed(2))
     ref, got = prompt_logits(dense, prompt), prompt_logits(int8, prompt)
     rel = float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
     agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-    print(f"{family}: logits off by {rel:.4f} of their RMS, top-1 agreement {agree:.3f}")
+    print(f"{family} on {route}: logits off by {rel:.4f} of their RMS, top-1 agreement {agree:.3f}")
     assert 0 < rel <= RELATIVE_RMS_BOUND, rel
     assert agree >= MIN_TOP1_AGREEMENT, agree
 
 
-def test_quantize_replaces_the_dense_projections() -> None:
+def test_quantize_replaces_the_dense_projections(route: str, tmp_path: Path) -> None:
     model = random_model("llama", 1)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.quantize("int8", torch.device("cpu"))
+    model.quantize("int8", torch.device("cpu"), tmp_path)
     model.prepack(torch.device("cpu"))
     layer = model.layers[0]
     assert isinstance(layer, DecoderLayer)
     assert sorted(layer.quantized) == ["down", "gate_up", "o", "qkv"] and layer.packed == {}
+    kind = GGUFLinear if route == "blocks" else Int8Linear
+    assert all(isinstance(q, kind) for q in layer.quantized.values())
+    if route == "blocks":
+        assert all(p.qtype == Q8_0 for q in layer.quantized.values() for p in cast(GGUFLinear, q).parts)
     assert all(w.numel() == 0 for w, _ in layer.projections().values())
     assert sum(p.numel() * p.element_size() for p in model.parameters()) < dense_bytes / 2
     assert model.quantization == "int8" and model.embed_tokens.numel() == 128 * 64  # embeddings stay dense
@@ -113,27 +142,41 @@ def test_int8_is_refused_off_the_cpu_and_off_float32() -> None:
     assert pick_dtype("auto", "int8") is f32  # whatever the CPU: fbgemm takes float32 activations
 
 
-AVX2_ONLY = {"sse2", "avx", "avx2", "fma", "f16c"}
-
-
-def test_int8_warns_on_an_x86_cpu_without_an_int8_dot_product() -> None:
-    """torch's int8 matmul ran 20x slower than float32 on an AVX2-only EPYC: a user who asks for int8 there
-    is told why it is slow and what serves faster."""
-    slow = int8_speed_warning("x86_64", AVX2_ONLY)
-    assert slow is not None and "--quantization gguf" in slow and "avx512_vnni" in slow
+def test_int8_runs_on_blocks_only_on_an_x86_cpu_without_an_int8_dot_product() -> None:
+    """torch's int8 matmul ran 20x slower than float32 on an AVX2-only EPYC: there int8 takes Q8_0 blocks and
+    the GGUF kernels instead; with an int8 dot product (or off x86, or flags unread) it stays on torch's."""
+    assert int8_on_blocks("x86_64", AVX2_ONLY)
     for fast in INT8_DOT_FLAGS:
-        assert int8_speed_warning("x86_64", AVX2_ONLY | {fast}) is None
-    assert int8_speed_warning("aarch64", {"asimd"}) is None  # not judged off x86
-    assert int8_speed_warning("x86_64", set()) is None  # flags unreadable: no guess
+        assert not int8_on_blocks("x86_64", AVX2_ONLY | {fast})
+    assert not int8_on_blocks("aarch64", {"asimd"})
+    assert not int8_on_blocks("x86_64", set())
 
 
-def test_quantizing_to_int8_logs_the_warning_where_it_applies(monkeypatch: pytest.MonkeyPatch,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(llama, "cpu_flags", lambda: AVX2_ONLY)
-    monkeypatch.setattr(llama.platform, "machine", lambda: "x86_64")
-    random_model("llama", 1).quantize("int8", torch.device("cpu"))
-    assert "torch's int8 matmul has no fast kernel here" in caplog.text
-    caplog.clear()
-    monkeypatch.setattr(llama, "cpu_flags", lambda: AVX2_ONLY | {"amx_int8"})
-    random_model("llama", 1).quantize("int8", torch.device("cpu"))
-    assert "int8 matmul" not in caplog.text
+@pytest.mark.parametrize(("out_f", "in_f"), [(3, 32), (37, 96), (64, 576)])
+def test_q8_0_blocks_round_each_block_of_32_to_its_own_scale(out_f: int, in_f: int, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(out_f + in_f)
+    # blocks of unequal size along a row: one scale per row would round the small blocks to nothing
+    w = torch.randn(out_f, in_f, generator=g) * torch.logspace(-3, 1, in_f // 32).repeat_interleave(32)
+    w[0, :32] = 0  # an all-zero block stays zero
+    q = q8_0_blocks(w)
+    assert q.qtype == Q8_0 and q.rows == out_f and q.cols == in_f and q.data.shape == (out_f, in_f // 32 * 34)
+    dq = torch.from_numpy(dequantize(q.data.numpy(), GGMLQuantizationType.Q8_0)).view(out_f, in_f)
+    step = w.view(out_f, -1, 32).abs().amax(-1, keepdim=True) / 127  # [out, blocks, 1]
+    err = (dq.view(out_f, -1, 32) - w.view(out_f, -1, 32)).abs()
+    # half a step, plus what storing the step as float16 moves the block's largest level by
+    d16 = step.half().float()
+    assert (err <= d16 / 2 + 127 * (d16 - step).abs() + 1e-9).all()
+    assert (dq[0, :32] == 0).all()
+    # the kernel reads the same blocks: its dequantization equals the gguf package's
+    torch.testing.assert_close(load_gguf_kernel(tmp_path).dequantize(q), dq, atol=0, rtol=0)
+
+
+def test_q8_0_blocks_refuse_a_width_not_a_multiple_of_32() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_0_blocks(torch.ones(4, 40))
+
+
+def test_int8_logs_its_route(route: str, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    with caplog.at_level("INFO"):
+        random_model("llama", 1).quantize("int8", torch.device("cpu"), tmp_path)
+    assert ("Q8_0 blocks on the" in caplog.text) == (route == "blocks")

@@ -359,8 +359,8 @@ class FusedDecodeStep:
 
 def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the fused step at all, or None."""
-    if model.quantization not in ("gguf", "none"):
-        return f"--quantization {model.quantization} (fused: gguf, or none in float32)"
+    if model.quantization not in ("gguf", "int8", "none"):
+        return f"--quantization {model.quantization} (fused: gguf, int8 on Q8_0 blocks, or none in float32)"
     if model.quantization == "none" and model.dtype not in (torch.float32, torch.bfloat16):
         return f"a {str(model.dtype).removeprefix('torch.')} model (fused without --quantization: float32, or " \
                "bfloat16 on AMX)"
@@ -381,7 +381,7 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
     for layer in layers:
         for name, (_, dense_bias) in layer.projections().items():
             bias: torch.Tensor | None = dense_bias
-            if model.quantization == "gguf":
+            if model.quantization in ("gguf", "int8"):  # int8: on Q8_0 blocks where torch's int8 is slow
                 linear = layer.quantized.get(name)
                 if not isinstance(linear, GGUFLinear) or not linear.int8_activations:
                     return f"a {name} projection not on the int8 GGUF kernel"
@@ -413,7 +413,7 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
     if lib is None:
         return "its C kernel did not build"
     large: tuple[int, StepMatmuls] | None = None
-    if model.quantization == "gguf":
+    if model.quantization in ("gguf", "int8"):
         matmuls = gguf_matmuls(model)
     elif model.dtype == torch.bfloat16:
         amx = load_amx_kernel(cache_dir)

@@ -22,14 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.config import default_cache_dir
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
 from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, AmxBlockLinear, AmxKernel, AmxLinear
 from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, PanelLinear
-from tandem_engine.models.gguf_linear import QuantizedWeight
+from tandem_engine.models.gguf_linear import GGUFKernel, GGUFLinear, QuantizedWeight, load_gguf_kernel
 from tandem_engine.models.packed_linear import linear, packing_supported
-from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_speed_warning
+from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_on_blocks, q8_0_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +164,14 @@ class DecoderLayer(nn.Module):
         self.packed = {name: packed_linear.pack(w) for name, (w, _) in self.projections().items()
                        if name not in self.quantized}
 
-    def quantize_int8(self) -> None:
-        """Replace every projection by its int8 form."""
+    def quantize_int8(self, kernel: GGUFKernel | None = None) -> None:
+        """Replace every projection by its int8 form: Q8_0 blocks on `kernel` where given (and the input size
+        is a multiple of 32), else torch's int8 matmul (quantization.py)."""
         for name, (weight, bias) in self.projections().items():
-            self.set_quantized(name, Int8Linear(weight, bias))
+            if kernel is not None and weight.shape[1] % 32 == 0:
+                self.set_quantized(name, GGUFLinear([q8_0_blocks(weight)], bias, kernel))
+            else:
+                self.set_quantized(name, Int8Linear(weight, bias))
 
     def set_quantized(self, name: str, layer: QuantizedLinear) -> None:
         """Run projection `name` through `layer` and free its dense weight (its shape becomes [0])."""
@@ -450,16 +455,27 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
 
     @torch.no_grad()
-    def quantize(self, method: str, device: torch.device) -> None:
-        """Quantize the decoder's projections (`--quantization`, models/quantization.py); "none": no-op."""
+    def quantize(self, method: str, device: torch.device, cache_dir: Path | None = None) -> None:
+        """Quantize the decoder's projections (`--quantization`, models/quantization.py); "none": no-op.
+        int8 on a CPU without an int8 dot product takes Q8_0 blocks and the GGUF kernels, built under
+        `cache_dir` (None: the default cache)."""
         if method == "none":
             return
         check_supported(method, self.dtype, device)
-        if method == "int8" and (slow := int8_speed_warning(platform.machine(), cpu_flags())):
-            logger.warning(slow)
+        kernel = None
+        if method == "int8" and int8_on_blocks(platform.machine(), cpu_flags()):
+            try:
+                kernel = load_gguf_kernel(cache_dir or Path(default_cache_dir()).expanduser())
+            except RuntimeError as e:
+                logger.warning("--quantization int8 falls back to torch's int8 matmul, which runs many times "
+                               "slower than float32 on this CPU (no int8 dot-product instruction): %s", e)
         for layer in self.layers:
-            cast(DecoderLayer, layer).quantize_int8()
+            cast(DecoderLayer, layer).quantize_int8(kernel)
         self.quantization = method
+        if kernel is not None:
+            logger.info("[startup] --quantization int8: projections in Q8_0 blocks on the %s GGUF kernel "
+                        "(no int8 dot-product instruction here for torch's int8 matmul)",
+                        "AVX2" if kernel.simd else "portable")
 
     def prepack(self, device: torch.device) -> None:
         """Make oneDNN-packed copies of every projection and the head, where that is faster."""

@@ -332,7 +332,7 @@ def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device 
         if src.kind == "gguf":
             model.gguf_file = src.path
         tq = time.perf_counter()
-        model.quantize(quantization, torch.device(device))
+        model.quantize(quantization, torch.device(device), src.cache_dir)
     model.eval()
     tq = time.perf_counter() - tq
     if onednn_pack:

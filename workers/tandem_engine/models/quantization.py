@@ -13,13 +13,26 @@ activations with one scale, so the outlier activations of a prompt's first token
 row of the step. On SmolLM2 that raised the perplexity of a ~2,900-token text, prefilled in 512-token
 chunks, from 17.2 to 29.9 (7-bit activations, as torch runs it on x86) or 21.2 (8-bit); per-token
 scales give 17.7 (bench/quantization.py).
+
+Where torch's int8 matmul is slow (an x86 CPU without an int8 dot-product instruction: it ran 20x slower
+than float32 on an AVX2-only EPYC), int8 takes the layout of GGUF's Q8_0 instead: each weight row in
+blocks of 32 int8 values with their own float16 scale, run by the kernels of `--quantization gguf`
+(gguf_linear.py): for a few rows each row of x is quantized to int8 per block of 32 and the block dot
+products are integer (AVX2), so a decode step reads 34 bytes per 32 weights; a prefill chunk dequantizes
+the blocks once per call and keeps x in float32. Per block of 32, both roundings are finer than per
+channel and per token.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from tandem_engine.models.gguf_linear import QuantizedWeight
 
 
 class QuantizedLinear(Protocol):
@@ -60,16 +73,24 @@ class Int8Linear:
 # decode 10 tok/s against dense's 18-19, a 256-token prompt's first token 14.7 s against 1.0
 # (docs/benchmarks.md, vs_llama_cpp_amd).
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+Q8_0 = 8  # ggml's type id of Q8_0 blocks
+Q8_0_BLOCK = 32
 
 
-def int8_speed_warning(machine: str, flags: set[str]) -> str | None:
-    """Why `--quantization int8` will be slower than the dense model on this CPU (an x86 CPU without an int8
-    dot-product instruction), or None."""
-    if machine not in ("x86_64", "AMD64") or not flags or flags & set(INT8_DOT_FLAGS):
-        return None
-    return ("--quantization int8 on a CPU without " + ", ".join(INT8_DOT_FLAGS) + ": torch's int8 matmul has "
-            "no fast kernel here and runs many times slower than float32 (measured 20x on an AVX2-only CPU); "
-            "--quantization gguf (AVX2 kernels) or none will serve faster")
+def int8_on_blocks(machine: str, flags: set[str]) -> bool:
+    """Whether `--quantization int8` runs on Q8_0 blocks and the GGUF kernels (an x86 CPU without an int8
+    dot-product instruction, where torch's int8 matmul is slow) rather than on torch's int8 matmul."""
+    return machine in ("x86_64", "AMD64") and bool(flags) and not flags & set(INT8_DOT_FLAGS)
+
+
+def q8_0_blocks(weight: torch.Tensor) -> QuantizedWeight:
+    """A float [out, in] weight (in a multiple of 32) in GGUF's Q8_0 layout: per block of 32, d = max|w| / 127
+    as float16, then the 32 values round(w / d) as int8 (the gguf package's quantizer)."""
+    out_f, in_f = weight.shape
+    if in_f % Q8_0_BLOCK:
+        raise ValueError(f"Q8_0 blocks need a multiple of {Q8_0_BLOCK} columns, not {in_f}")
+    data = quantize(weight.detach().to(torch.float32).contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return QuantizedWeight(Q8_0, torch.from_numpy(np.ascontiguousarray(data)).view(out_f, -1), in_f)
 
 
 def check_supported(method: str, dtype: torch.dtype, device: torch.device) -> None:
