@@ -231,7 +231,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="concurrency of the batch run (2x as many requests)")
     ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per quality prompt")
     ap.add_argument("--skip-speed", action="store_true", help="quality only")
-    return bench_main("quantization", ap.parse_args(), run, table, plot)
+    ap.add_argument("--name", default="quantization", help="result name: another machine's beside this one")
+    a = ap.parse_args()
+    return bench_main(a.name, a, run, table, plot)
 
 
 if __name__ == "__main__":
