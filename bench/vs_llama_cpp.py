@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -304,8 +305,17 @@ def kernel_rows(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# OpenMP settings that llama.cpp's threads, in this process, obey as much as tandem's: passive waiting at its
+# many barriers a token cost llama.cpp three quarters of its speed on the AMD EPYC (2026-12-06).
+OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
 async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    res: dict[str, Any] = {"threads": a.threads}
+    res: dict[str, Any] = {"threads": a.threads,
+                           "openmp_env": {k: os.environ[k] for k in OPENMP_VARS if k in os.environ}}
+    if res["openmp_env"]:
+        print(f"warning: {res['openmp_env']} in the environment also applies to llama.cpp in this process",
+              flush=True)
     if "quality" in a.parts:
         res["quality"] = quality(a)
     if "speed" in a.parts:
@@ -321,7 +331,9 @@ def table(res: dict[str, Any]) -> str:
     c = res["config"]
     where = f", {describe(res['machine'])}" if "machine" in res else ""
     rows = [f"SmolLM2-135M-Instruct Q4_1 GGUF, {res['threads']} threads{where}; 1-minute load average "
-            f"{res['load_average'][0]:.2f} before, {res['load_average'][1]:.2f} after.", ""]
+            f"{res['load_average'][0]:.2f} before, {res['load_average'][1]:.2f} after."
+            + (f" OpenMP environment: {res['openmp_env']} (llama.cpp obeys it too)." if res.get("openmp_env") else ""),
+            ""]
     if "quality" in res:
         q = res["quality"]
         rows += [f"Perplexity of {q['tokens']} tokens of bench/data/alice_chapter1.txt, windows of {q['ctx']} "
