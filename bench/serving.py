@@ -196,14 +196,14 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.bar([x - 0.27 for x in xs], ceilings, 0.27, color="0.85", label=f"ceiling ({each})")
         rates = [run["summary"]["output_throughput"] for run in runs]
         ax.bar(list(xs), rates, 0.27, label=f"tandem serve ({r['config']['dtype']})")
-        paired = [run for run in runs if "transformers" in run]
-        if len(paired) == len(runs):
+        paired = all("transformers" in run for run in runs)  # rounds of tandem then transformers
+        if paired:
             ax.bar([x + 0.27 for x in xs], [run["transformers"]["output_tok_s"] for run in runs], 0.27,
                    label="transformers generate (best dtype)")
         # the targets (docs/benchmarks.md) as dashes across tandem's bar: 70% of the ceiling, 2x transformers
         ax.hlines([0.7 * c for c in ceilings], [x - 0.14 for x in xs], [x + 0.14 for x in xs], colors="k",
                   linestyles="dashed", label="70% of the ceiling")
-        if len(paired) == len(runs):
+        if paired:
             ax.hlines([2 * run["transformers"]["output_tok_s"] for run in runs], [x - 0.14 for x in xs],
                       [x + 0.14 for x in xs], colors="tab:red", linestyles="dotted", label="2x transformers")
         elif r.get("transformers"):  # before paired rounds: transformers ran once, after all of tandem's runs

@@ -136,7 +136,7 @@ def test_int8_is_refused_off_the_cpu_and_off_float32() -> None:
     with pytest.raises(ValueError, match="--quantization int8 runs on the CPU only"):
         check_supported("int8", f32, torch.device("cuda"))
     with pytest.raises(ValueError, match="--quantization int8 needs float32 activations"):
-        LlamaForCausalLM(tiny_config("llama"), torch.bfloat16).quantize("int8", cpu)
+        LlamaForCausalLM(tiny_config("llama"), torch.bfloat16).quantize("int8", cpu, Path("/nonexistent"))
     check_supported("none", torch.bfloat16, torch.device("cuda"))
     check_supported("int8", f32, cpu)
     assert pick_dtype("auto", "int8") is f32  # whatever the CPU: fbgemm takes float32 activations

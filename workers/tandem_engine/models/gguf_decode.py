@@ -359,8 +359,6 @@ class FusedDecodeStep:
 
 def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the fused step at all, or None."""
-    if model.quantization not in ("gguf", "int8", "none"):
-        return f"--quantization {model.quantization} (fused: gguf, int8 on Q8_0 blocks, or none in float32)"
     if model.quantization == "none" and model.dtype not in (torch.float32, torch.bfloat16):
         return f"a {str(model.dtype).removeprefix('torch.')} model (fused without --quantization: float32, or " \
                "bfloat16 on AMX)"

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
-from tandem_engine.config import default_cache_dir
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.models import packed_linear
@@ -30,7 +29,14 @@ from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, AmxBlockLinear, A
 from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, PanelLinear
 from tandem_engine.models.gguf_linear import GGUFKernel, GGUFLinear, QuantizedWeight, load_gguf_kernel
 from tandem_engine.models.packed_linear import linear, packing_supported
-from tandem_engine.models.quantization import Int8Linear, QuantizedLinear, check_supported, int8_on_blocks, q8_0_blocks
+from tandem_engine.models.quantization import (
+    Q8_0_BLOCK,
+    Int8Linear,
+    QuantizedLinear,
+    check_supported,
+    int8_on_blocks,
+    q8_0_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +174,7 @@ class DecoderLayer(nn.Module):
         """Replace every projection by its int8 form: Q8_0 blocks on `kernel` where given (and the input size
         is a multiple of 32), else torch's int8 matmul (quantization.py)."""
         for name, (weight, bias) in self.projections().items():
-            if kernel is not None and weight.shape[1] % 32 == 0:
+            if kernel is not None and weight.shape[1] % Q8_0_BLOCK == 0:
                 self.set_quantized(name, GGUFLinear([q8_0_blocks(weight)], bias, kernel))
             else:
                 self.set_quantized(name, Int8Linear(weight, bias))
@@ -455,17 +461,17 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
 
     @torch.no_grad()
-    def quantize(self, method: str, device: torch.device, cache_dir: Path | None = None) -> None:
+    def quantize(self, method: str, device: torch.device, cache_dir: Path) -> None:
         """Quantize the decoder's projections (`--quantization`, models/quantization.py); "none": no-op.
         int8 on a CPU without an int8 dot product takes Q8_0 blocks and the GGUF kernels, built under
-        `cache_dir` (None: the default cache)."""
+        `cache_dir`."""
         if method == "none":
             return
         check_supported(method, self.dtype, device)
         kernel = None
         if method == "int8" and int8_on_blocks(platform.machine(), cpu_flags()):
             try:
-                kernel = load_gguf_kernel(cache_dir or Path(default_cache_dir()).expanduser())
+                kernel = load_gguf_kernel(cache_dir)
             except RuntimeError as e:
                 logger.warning("--quantization int8 falls back to torch's int8 matmul, which runs many times "
                                "slower than float32 on this CPU (no int8 dot-product instruction): %s", e)

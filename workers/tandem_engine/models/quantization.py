@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from tandem_engine.models.gguf_linear import QuantizedWeight
+from tandem_engine.models.gguf_linear import BLOCKS, QuantizedWeight
 
 
 class QuantizedLinear(Protocol):
@@ -73,8 +73,8 @@ class Int8Linear:
 # decode 10 tok/s against dense's 18-19, a 256-token prompt's first token 14.7 s against 1.0
 # (docs/benchmarks.md, vs_llama_cpp_amd).
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-Q8_0 = 8  # ggml's type id of Q8_0 blocks
-Q8_0_BLOCK = 32
+Q8_0 = int(GGMLQuantizationType.Q8_0)
+Q8_0_BLOCK = BLOCKS[Q8_0][0]  # weights per block
 
 
 def int8_on_blocks(machine: str, flags: set[str]) -> bool:
