@@ -7,6 +7,7 @@ import ctypes
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import load_kernel
+from tandem_engine.attention.torch_backend import _KERNEL_SRC, KERNEL_MATH_FLAGS, load_kernel
 from tandem_engine.kernels import build
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tests.engine.attention.test_torch_attention import CASES, run_step
@@ -52,9 +53,9 @@ def test_avx512_build_computes_the_avx2_builds_floats(query_lens: list[int], seq
     """With AVX-512 the decode scores of 16 keys are summed together (four shuffle-and-add levels over pairs
     of keys) instead of one horizontal sum per key; the levels are hsum16's tree, so the outputs are the
     AVX2 build's bit for bit, on rows of whole and partial 16-key blocks. Prefill chunks cut their scores
-    and P x V into other register blocks on each (and e^x runs at other vector widths), with every lane's
-    terms in the same order: the same floats, over several 128-key softmax chunks and every row tail
-    (128 rows of eight heads per KV head)."""
+    and P x V into other register blocks on each (and e^x runs at other vector widths, the kernel's own
+    polynomial in every lane: see the next test), with every lane's terms in the same order: the same
+    floats, over several 128-key softmax chunks and every row tail (128 rows of eight heads per KV head)."""
     outs = []
     for march in ("x86-64-v3", None):
         monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / str(march)))
@@ -67,6 +68,46 @@ def test_avx512_build_computes_the_avx2_builds_floats(query_lens: list[int], seq
         outs.append(out)
     assert len(list((tmp_path / "None" / "kernels").glob("*.so"))) == 1, "the native kernel was not built"
     assert torch.equal(outs[0], outs[1])
+
+
+# The ISA levels and tunings the kernel meets: the image's level, AVX-512 tuned for 256-bit vectors (the
+# Xeons GCC knows), for 512-bit ones (AMD's Zen 4 and the generic tuning GCC gives a Xeon it does not know by
+# name: -march=native resolved so on one with AVX-512-FP16 and AMX), and that Xeon's own flags.
+TARGETS = {
+    "x86-64-v3": ("-march=x86-64-v3",),
+    "sapphirerapids": ("-march=sapphirerapids",),
+    "avx512-wide": ("-march=skylake-avx512", "-mtune=generic", "-mprefer-vector-width=512"),
+    "cooperlake-fp16-amx": ("-march=cooperlake", "-mavx512fp16", "-mavx512bf16", "-mamx-tile", "-mamx-int8",
+                            "-mamx-bf16", "-mtune=generic"),
+}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
+                    reason="reads x86-64 machine code with objdump")
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_no_build_calls_math_whose_floats_depend_on_the_vector_width(target: str, tmp_path: Path) -> None:
+    """Why every build can compute the same floats: under the kernel's -ffast-math GCC turns a loop of expf
+    (or sqrtf, or a division) into calls of libmvec's variant for the loop's width (SSE, AVX2, AVX-512) and
+    of scalar expf for its tail, or into approximate reciprocals refined per ISA, and those differ in the
+    last bit: the decode softmax's expf made the native build on a Zen 4 and on a Xeon with AVX-512-FP16
+    disagree with the x86-64-v3 build. Compiled (not run) for each ISA level and tuning: the object calls no
+    libm function and holds no approximate reciprocal, so a CPU this machine is not still meets the rule."""
+    src = tmp_path / "paged_attention.c"
+    src.write_text(_KERNEL_SRC)
+    for header, text in build.local_headers(_KERNEL_SRC).items():
+        (tmp_path / header).write_text(text)
+    obj = tmp_path / "k.o"
+    subprocess.run([os.environ.get("CC", "cc"), "-O3", "-fopenmp", *KERNEL_MATH_FLAGS, *TARGETS[target], "-fPIC",
+                    "-c", str(src), "-o", str(obj)], check=True, capture_output=True, timeout=120)
+    relocs = subprocess.run(["objdump", "-r", str(obj)], capture_output=True, text=True, check=True).stdout
+    called = {ln.split()[-1].split("-")[0] for ln in relocs.splitlines() if "R_X86_64_PLT32" in ln}
+    width_dependent = {f for f in called if f.startswith("_ZGV") or f.rstrip("f") in
+                       ("exp", "exp2", "log", "pow", "sqrt", "tanh", "erf", "sin", "cos")}
+    assert not width_dependent, width_dependent
+    assert called, "no call found at all: the relocation listing was not read right"
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True,
+                          check=True).stdout
+    assert not re.findall(r"\bv?(rcp|rsqrt)\w*(ps|ss)\b", code)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,

@@ -295,6 +295,15 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
     }
 }
 
+/* e^x for a score minus its row's maximum (x <= 0): below -87, where e^x is under 2^-125, it is taken
+ * at -87 (a masked score weighs 1.6e-38 of its row's largest). Branch-free arithmetic of our own
+ * (kernels/tandem_exp.h), so GCC vectorises the loops that call it at any width and every lane computes
+ * the same float whatever the width. libm's expf is not that: under -ffast-math GCC calls libmvec's
+ * variant of the loop's width (SSE, AVX2 or AVX-512, where the tuning prefers 512-bit vectors: AMD's
+ * Zen 4, a Xeon GCC does not know by name) for the body and scalar expf for the tail, and those differ
+ * in the last bit, so the builds of each ISA level disagreed. */
+static inline float score_exp(float x) { return exp_small(__builtin_fmaxf(x, -87.0f)); }
+
 /* s[0, n) = softmax(s[0, n)), in place. The max and the sum run over 16 lanes (p % 16) and then across
  * them in a fixed order: as one serial chain over the keys, each head's max and sum waited a compare or an
  * add latency per key, which was most of a decode step's attention time with the cache in L2. */
@@ -307,7 +316,7 @@ static inline void softmax(float *s, int64_t n) {
     float m = -INFINITY;
     for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
     for (; p < n; p++) m = s[p] > m ? s[p] : m;
-    for (p = 0; p < n; p++) s[p] = expf(s[p] - m);
+    for (p = 0; p < n; p++) s[p] = score_exp(s[p] - m);
     for (int l = 0; l < 16; l++) lane[l] = 0.f;
     for (p = 0; p + 16 <= n; p += 16)
         for (int l = 0; l < 16; l++) lane[l] += s[p + l];
@@ -502,7 +511,7 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
  * a key's scores for 16 rows are D fused multiply-adds of a panel vector by one element of the key, read
  * where the cache holds it; PF_SC_ROWS x PF_SC_KEYS scores stay in registers over D. Scores are kept
  * [key][row], so the softmax runs down the rows in vectors: per chunk, one maximum, one pass of e^x
- * (pf_exp, a polynomial the compiler vectorises) and one sum, and the accumulators are rescaled once per
+ * (score_exp, a polynomial the compiler vectorises) and one sum, and the accumulators are rescaled once per
  * chunk, not per 16 keys (a prompt of up to PF_CHUNK tokens is one chunk). P x V then adds the chunk's V
  * rows into PF_PV_ROWS rows' accumulators, PF_PV_COLS vectors of D each, kept in registers over the whole
  * chunk. Keys past a row's own position are masked, so only the chunk on the diagonal computes any
@@ -543,11 +552,6 @@ static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE
 /* Rows of an item with g query heads per KV head, padded to whole vectors. */
 static inline int pf_rpad(int rows) { return (rows + 15) & ~15; }
 
-/* e^x for a score minus its row's maximum (x <= 0): below -87, where e^x is under 2^-125, it is taken
- * at -87 (a masked score weighs 1.6e-38 of its row's largest). Branch-free (kernels/tandem_exp.h), so GCC
- * vectorises the loops that call it at any width: libm's expf vectorises only where libmvec has that
- * width. */
-static inline float pf_exp(float x) { return exp_small(__builtin_fmaxf(x, -87.0f)); }
 
 /* Scores of RV x 16 rows (from the [D][rpad] panel qt) by PF_SC_KEYS keys (kp), into sc [key][rpad]. */
 static inline __attribute__((always_inline)) void pf_scores(float *sc, int64_t rpad, const float *qt,
@@ -607,7 +611,7 @@ static void widen_row(float *dst, const char *src, int d, int kt) {
 }
 
 /* GCC's cost model vectorises the softmax loops 8 floats wide even with AVX-512 unless told otherwise; 16 wide
- * took two 256-token prompts' 30 layers from 26.6 to 24.4 ms, with the same floats (pf_exp is per lane). */
+ * took two 256-token prompts' 30 layers from 26.6 to 24.4 ms, with the same floats (score_exp is per lane). */
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("prefer-vector-width=512")))
 #endif
@@ -677,13 +681,13 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
             for (int r = 0; r < rpad; r++) tmp[r] = srow[r] > tmp[r] ? srow[r] : tmp[r];
         }
         for (int r = 0; r < rpad; r++) {
-            alpha[r] = pf_exp(mx[r] - tmp[r]);
+            alpha[r] = score_exp(mx[r] - tmp[r]);
             mx[r] = tmp[r];
             tmp[r] = 0.0f;
         }
         for (int x = 0; x < nkr; x++) {
             float *srow = sc + (int64_t)x * rpad;
-            for (int r = 0; r < rpad; r++) { srow[r] = pf_exp(srow[r] - mx[r]); tmp[r] += srow[r]; }
+            for (int r = 0; r < rpad; r++) { srow[r] = score_exp(srow[r] - mx[r]); tmp[r] += srow[r]; }
         }
         for (int r = 0; r < rpad; r++) sum[r] = sum[r] * alpha[r] + tmp[r];
         /* acc = acc * alpha + P V */

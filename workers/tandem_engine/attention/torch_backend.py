@@ -61,6 +61,12 @@ def _int32_table(meta: AttentionMetadata) -> torch.Tensor:
     return table if table.dtype == torch.int32 and table.stride(1) == 1 else table.to(torch.int32).contiguous()
 
 
+# -fno-associative-math: the kernel's sums run in the order written (see paged_attention.c, fma16). The
+# rest of -ffast-math would let GCC call libm's vector functions, whose floats depend on the vector width:
+# the kernel calls none (test_kernel_build.py checks the object code of each ISA level).
+KERNEL_MATH_FLAGS = ("-ffast-math", "-fno-associative-math")
+
+
 @functools.cache  # one attempt per directory
 def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
@@ -75,8 +81,7 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
 def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") -> ctypes.CDLL | None:
     """Build and load a paged-attention kernel `source` (load_kernel's, or another version of it, as
     bench/attention_kernel.py compares) with its entries' signatures set; None if it cannot be built."""
-    # -fno-associative-math: the kernel's sums run in the order written (see paged_attention.c, fma16)
-    flags = (*base_flags(), "-ffast-math", "-fno-associative-math")
+    flags = (*base_flags(), *KERNEL_MATH_FLAGS)
     lib = try_build(name, source, flags, cache_dir, "using the torch SDPA path")
     if lib is None:
         return None
