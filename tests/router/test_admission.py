@@ -154,6 +154,32 @@ async def test_a_request_that_waits_past_the_queue_timeout_gets_429(upstream, ro
     assert len(up.seen) == 1 and settled(r)
 
 
+async def test_a_wait_foreseen_past_the_queue_timeout_gets_its_429_at_once(upstream, router) -> None:
+    """Once the pace is measured (a request holds its slot ~0.4 s here), a burst's requests that would reach
+    the only slot after the 1 s queue timeout are refused on arrival with Retry-After, not after waiting
+    it out; those that fit wait and are served."""
+    up = await upstream(name="a", tokens=2, token_delay=0.2)
+    timeout = 1.0
+    r = await router(decode_urls=[up.url], max_in_flight_per_endpoint=1, queue_timeout=timeout)
+    adm = r.router.admission
+    async with client() as s:
+        assert (await send(s, r.url, "/v1/completions", {"prompt": "warm"}))[0] == 200
+        hold = adm._hold
+        assert 0.35 < hold < 0.55, hold  # two tokens 0.2 s apart, and their relay
+        fit = sum(1 for ahead in range(10) if (ahead + 1) * hold <= timeout)  # 2: waits of 0.4 and 0.8 s
+        burst = [asyncio.create_task(send(s, r.url, "/v1/completions", {"prompt": f"b{i}"})) for i in range(10)]
+        await eventually(lambda: sum(t.done() for t in burst) == 10 - 1 - fit)  # the refused, at once
+        results = await asyncio.wait_for(asyncio.gather(*burst), 10)
+        metrics = await (await s.get(r.url + "/metrics")).text()
+    refused = [(first, text) for status, first, text in results if status == 429]
+    assert sorted(status for status, _, _ in results) == [200] * (1 + fit) + [429] * (9 - fit)
+    assert all(first < timeout / 2 for first, _ in refused), [first for first, _ in refused]
+    assert all("at the recent pace" in text and '"rate_limit_exceeded"' in text for _, text in refused)
+    assert f'tandem:router_rejected_requests_total{{reason="queue_timeout_foreseen"}} {9 - fit}.0' in metrics
+    assert 'reason="queue_timeout"}' not in metrics  # nobody was let in to wait in vain
+    await eventually(lambda: settled(r))
+
+
 async def test_per_endpoint_caps_steer_the_policy_elsewhere(upstream, router) -> None:
     ups = [await upstream(name=n, tokens=10, token_delay=0.05) for n in ("a", "b")]
     # Prefix-aware with a heavy prefix weight sends every request with this prompt where the first went.

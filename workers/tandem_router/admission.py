@@ -12,8 +12,11 @@ short and are not counted.
 A request that finds no room waits in a queue ordered by its `priority` field (lower first, vLLM's
 meaning; default 0) then arrival, for at most `--queue-timeout` seconds. A request that finds the queue
 full is answered 429 at once, unless it outranks someone queued: then the last-arrived of the lowest
-priority leaves with the 429 instead. Every 429 carries `Retry-After`, the time the queue ahead would
-take to drain at the recent pace.
+priority leaves with the 429 instead. A request whose wait for a slot, foreseen at arrival from the
+requests queued ahead of it and the recent pace, passes `--queue-timeout` is answered 429 at once too,
+rather than after waiting the timeout out; the pace is trusted once requests have finished (before that
+nothing is foreseen), and a request let in on a wrong estimate still leaves at its timeout. Every 429
+carries `Retry-After`, the time the queue ahead would take to drain at the recent pace.
 
 With no healthy decode endpoint nothing waits, and the request gets the router's 503, unless
 `--cold-start-timeout` is set (scale from zero, docs/operations.md): then requests are held in the same
@@ -104,6 +107,7 @@ class Admission:
         self._heap: list[Waiter] = []
         self._seq = itertools.count()
         self._hold = 1.0  # running mean of how long a request holds its slot, seconds
+        self._holds_seen = 0  # slot holds measured: the mean is a guess until the first
         metrics = router.metrics
         metrics.admission_capacity.set_function(self.capacity)
         metrics.admitted.set_function(lambda: self.admitted)
@@ -165,6 +169,8 @@ class Admission:
             return
         if self.queued >= self.config.max_queued_requests and not self._push_out(priority):
             self._reject("queue_full", route)
+        if self._foreseen_wait(priority) > self._patience():
+            self._reject("queue_timeout_foreseen", route)
         w = Waiter(priority, next(self._seq), arrived, asyncio.get_running_loop().create_future())
         heapq.heappush(self._heap, w)
         self.queued += 1
@@ -266,8 +272,21 @@ class Admission:
     def give_back(self, held: float) -> None:
         self.admitted -= 1
         if held > 0:
-            self._hold += HOLD_SMOOTHING * (held - self._hold)
+            # The first measurement replaces the starting guess; later ones move the mean.
+            self._hold += (HOLD_SMOOTHING if self._holds_seen else 1.0) * (held - self._hold)
+            self._holds_seen += 1
         self.poll()
+
+    def _foreseen_wait(self, priority: int) -> float:
+        """Seconds a request of `priority` arriving now would wait for a slot: the requests queued ahead of
+        it (priority no lower) drain at `capacity / hold` a second, the estimate behind Retry-After. Zero
+        while no slot hold has been measured (nothing to foresee from), or no decode endpoint is healthy
+        (the wait is for an engine to come, bounded by --cold-start-timeout)."""
+        slots = self.capacity()
+        if not self._holds_seen or not slots or not self.enabled:
+            return 0.0
+        ahead = sum(1 for w in self._heap if w.live and w.priority <= priority)
+        return (ahead + 1) * self._hold / slots
 
     def retry_after(self) -> int:
         """Seconds until the queue ahead of a new request has drained at the recent pace (at least 1)."""
@@ -291,8 +310,11 @@ class Admission:
         metrics.rejected.labels(reason).inc()
         metrics.requests.labels(route, "", "429").inc()
         retry = self.retry_after()
-        why = "the router's queue is full" if reason == "queue_full" else \
-            f"no engine had room within {self.config.queue_timeout:g} s"
+        why = {"queue_full": "the router's queue is full",
+               "queue_timeout_foreseen": f"no engine will have room within {self.config.queue_timeout:g} s "
+                                         "at the recent pace"}.get(reason,
+                                                                   f"no engine had room within "
+                                                                   f"{self.config.queue_timeout:g} s")
         logger.debug("request refused (%s): %d admitted, %d queued", reason, self.admitted, self.queued)
         body = error_body(429, f"overloaded: {why}; retry in {retry} s", "rate_limit_exceeded")
         raise web.HTTPTooManyRequests(text=json.dumps(body), content_type="application/json",

@@ -79,8 +79,8 @@ class RouterMetrics:
         self.admission_capacity = Gauge("tandem:router_admission_capacity",
                                         "Admission slots: the caps of the healthy decode endpoints", registry=r)
         self.rejected = counter("tandem:router_rejected_requests_total", ("reason",),
-                                "Requests refused while waiting: queue_full or queue_timeout (429), "
-                                "cold_start_timeout (503)")
+                                "Requests refused while waiting: queue_full, queue_timeout or "
+                                "queue_timeout_foreseen (429), cold_start_timeout (503)")
         # Demand while the pools are at zero, read by the operator's planner (docs/operations.md,
         # "Scale from zero").
         self.held = Gauge("tandem:router_requests_held",
