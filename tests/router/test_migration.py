@@ -79,6 +79,23 @@ async def test_a_cut_chat_stream_resumes_in_chat_format(upstream, router) -> Non
     assert "usage" not in chunks[-1]  # not asked for
 
 
+async def test_a_resumed_request_keeps_the_budget_the_engine_would_have_given_it(upstream, router) -> None:
+    """The continuation is a completions request, whose max_tokens defaults to 16 (OpenAI's default): a chat
+    that set no limit (the end of the context) is resumed with `"max_tokens": null`, which asks an engine
+    for the end of the context, and a completion that set none with what is left of its 16."""
+    a, b = await pair(upstream, 3)
+    r = await router(decode_urls=[a.url, b.url], decode_policy="round-robin")
+    # The upstreams answer 8 tokens unless max_tokens is smaller: 3 from a, then 8 more from b.
+    whole = "".join(f" w{p}" for p in range(5, 5 + 3 + 8))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert text_of(await stream(r.url, "/v1/chat/completions", chat), chat=True) == whole
+    assert "max_tokens" in b.seen[-1].body and b.seen[-1].body["max_tokens"] is None
+    a, b = await pair(upstream, 3)  # a is ejected now: a new pair
+    r = await router(decode_urls=[a.url, b.url], decode_policy="round-robin")
+    assert text_of(await stream(r.url, "/v1/completions", {"model": "m", "prompt": "hello"}), chat=False) == whole
+    assert b.seen[-1].body["max_tokens"] == 16 - 3
+
+
 async def test_migrations_are_bounded_and_end_with_a_clean_error(upstream, router) -> None:
     ups = [await upstream(name=n, tokens=8, positional=True, cut_after=2) for n in "abc"]
     r = await router(decode_urls=[u.url for u in ups], decode_policy="round-robin", max_migrations=1)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from tandem_router.hashing import HashRing, block_hashes, hash64
 from tandem_router.policies import (
     NO_PREFIX,
@@ -15,6 +18,7 @@ from tandem_router.policies import (
 )
 from tandem_router.pool import Endpoint, PoolKind
 from tandem_router.prefix_index import PrefixIndex
+from tandem_router.request import DEFAULT_MAX_TOKENS, Kind, parse_request
 
 
 def eps(n: int) -> list[Endpoint]:
@@ -285,3 +289,20 @@ def test_replicas_that_each_just_sent_a_request_still_agree_when_engines_publish
     c = eps(2)
     c[0].acquire(1)
     assert {PrefixAware().choose(c, r, NO_PREFIX).endpoint.url for r in reqs} == {"http://e1"}
+
+
+def test_a_requests_load_counts_the_tokens_the_engine_may_generate() -> None:
+    """Least-load weighs prompt + max_tokens: a completion without max_tokens may generate OpenAI's default
+    16, not the 256 the router assumes for an answer bounded only by the context (a chat without a limit,
+    or a completion with `"max_tokens": null`)."""
+    def load(kind: Kind, **body: Any) -> int:
+        field = "prompt" if kind == "completions" else "messages"
+        value = "x" * 40 if kind == "completions" else [{"role": "user", "content": "x" * 40}]
+        req = parse_request(kind, json.dumps({field: value, **body}).encode())
+        return req.max_tokens
+
+    assert load("completions") == 16
+    assert load("completions", max_tokens=5) == 5
+    assert load("completions", max_tokens=None) == DEFAULT_MAX_TOKENS
+    assert load("chat") == DEFAULT_MAX_TOKENS
+    assert load("chat", max_tokens=9, max_completion_tokens=3) == 3

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from tandem_router.policies import RoutingRequest
 from tandem_router.proxy import NoEndpoint, Upstream, error_body, error_response, open_upstream, relay
-from tandem_router.request import ParsedRequest
+from tandem_router.request import ParsedRequest, token_limit
 
 if TYPE_CHECKING:
     from tandem_router.router import Router
@@ -137,11 +137,12 @@ class StreamState:
         if self.prompt_ids is None:
             return None
         body: dict[str, Any] = {k: req.body[k] for k in CARRIED if k in req.body}
-        limit = req.body.get("max_completion_tokens", req.body.get("max_tokens"))
-        if isinstance(limit, int):
-            if limit - len(self.generated) <= 0:
-                return None
-            body["max_tokens"] = limit - len(self.generated)
+        limit = token_limit(req.kind, req.body)
+        if limit is not None and limit - len(self.generated) <= 0:
+            return None
+        # null: to the end of the context (a chat without a limit); a completions body without the field
+        # would stop at OpenAI's default of 16
+        body["max_tokens"] = None if limit is None else limit - len(self.generated)
         min_tokens = req.body.get("min_tokens")
         if isinstance(min_tokens, int) and min_tokens > len(self.generated):
             body["min_tokens"] = min_tokens - len(self.generated)

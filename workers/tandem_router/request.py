@@ -21,7 +21,21 @@ from tandem_router.tokenizer import PromptTokenizer
 logger = logging.getLogger(__name__)
 
 Kind = Literal["completions", "chat"]
-DEFAULT_MAX_TOKENS = 256  # load estimate when the client sets none
+DEFAULT_MAX_TOKENS = 256  # load estimate of an answer that may run to the end of the context
+# OpenAI's default max_tokens of /v1/completions, as the engines apply it (docs/contracts.md).
+COMPLETION_MAX_TOKENS = 16
+
+
+def token_limit(kind: Kind, body: dict[str, Any]) -> int | None:
+    """The answer's token budget as the engine reads the body: chat's max_completion_tokens or max_tokens,
+    completions' max_tokens (16 when absent, as OpenAI defines it; null for none); None: up to the end of
+    the context. A malformed value counts as none (the engine refuses it)."""
+    if kind == "chat":
+        limit = body.get("max_completion_tokens")
+        limit = body.get("max_tokens") if limit is None else limit
+    else:
+        limit = body.get("max_tokens", COMPLETION_MAX_TOKENS)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0 else None
 
 
 # The router's copy of the engine's `kv_transfer_params` forms (tandem_engine/kv_transfer/messages.py):
@@ -112,7 +126,6 @@ def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
         text = "".join(
             f"<{m.get('role', '')}>{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
         )
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
@@ -126,8 +139,8 @@ def parse_request(kind: Kind, raw: bytes) -> ParsedRequest:
             tokens = len(prompt)
         else:
             raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
-        max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or max_tokens < 0:
+    max_tokens = token_limit(kind, body)
+    if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     return ParsedRequest(
         kind=kind,

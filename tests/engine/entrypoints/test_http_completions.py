@@ -30,12 +30,45 @@ async def test_completion_non_streamed(client: httpx.AsyncClient, engine: ToyEng
     assert params.max_tokens == 4 and params.logprobs is None
 
 
-async def test_max_tokens_defaults_to_the_context_left(client: httpx.AsyncClient, engine: ToyEngine) -> None:
-    body = (await client.post("/v1/completions", json={"prompt": "x" * 59})).json()
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert engine.calls[0][2].max_tokens == 64 - 60
-    await client.post("/v1/chat/completions", json={"messages": CHAT})
-    assert engine.calls[1][2].max_tokens == 64 - len("\x01<user>hi<assistant>")
+# The defaults OpenAI's published OpenAPI spec (openai/openai-openapi, openapi.yaml) gives the fields of
+# CreateCompletionRequest and CreateChatCompletionRequest that a request may leave out, as SamplingParams.
+SPEC_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                 "logprobs": None, "stop": []}
+
+
+async def test_a_completion_without_max_tokens_gets_the_specs_16(client: httpx.AsyncClient,
+                                                                 engine: ToyEngine) -> None:
+    """CreateCompletionRequest.max_tokens: default 16 (vLLM's too); a request generated from the spec
+    without it used to run to the end of the context. `"max_tokens": null` asks for that, as in vLLM."""
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    body = resp.json()
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"  # stream: false
+    assert body["choices"] == [{"index": 0, "text": "abcdefghijklmnop", "logprobs": None,  # n: 1, no echo
+                                "finish_reason": "length", "stop_reason": None}]
+    assert body["usage"]["completion_tokens"] == 16
+    params = engine.calls[0][2]
+    assert params.max_tokens == 16
+    assert {k: getattr(params, k) for k in SPEC_DEFAULTS} == SPEC_DEFAULTS
+    await client.post("/v1/completions", json={"prompt": "x" * 59, "max_tokens": None})
+    assert engine.calls[1][2].max_tokens == 64 - 60  # null: what the context leaves
+    await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "n": None, "best_of": 1})
+    assert len(engine.calls) == 3 and engine.calls[2][2].max_tokens == 40  # best_of: 1, its default
+    short = await client.post("/v1/completions", json={"prompt": "x" * 55})  # 56 tokens + 16 > 64
+    assert short.status_code == 400 and short.json()["error"]["param"] == "max_tokens"
+
+
+async def test_a_chat_without_a_limit_runs_to_the_end_of_the_context(client: httpx.AsyncClient,
+                                                                     engine: ToyEngine) -> None:
+    """CreateChatCompletionRequest gives max_tokens and max_completion_tokens no default (the model's
+    context is the bound), and the other fields the same defaults as completions; logprobs: false."""
+    resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    assert len(resp.json()["choices"]) == 1 and resp.json()["choices"][0]["logprobs"] is None
+    params = engine.calls[0][2]
+    assert params.max_tokens == 64 - len("\x01<user>hi<assistant>")
+    assert {k: getattr(params, k) for k in SPEC_DEFAULTS} == SPEC_DEFAULTS
+    await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": None})
+    assert engine.calls[1][2].max_tokens == params.max_tokens
     await client.post(
         "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 9, "max_completion_tokens": 3}
     )

@@ -21,6 +21,9 @@ MAX_N = 16
 # The most prompts one /v1/completions request may batch.
 MAX_PROMPTS = 16
 MAX_LOGPROBS = 20
+# OpenAI's published default of CreateCompletionRequest.max_tokens (vLLM's too). Chat has none: a chat
+# answer may run to the end of the context, and so may a completion that sends `"max_tokens": null`.
+COMPLETION_MAX_TOKENS = 16
 
 
 def random_id(prefix: str) -> str:
@@ -180,7 +183,16 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
-    max_tokens: Int64 | None = None
+    max_tokens: Int64 | None = COMPLETION_MAX_TOKENS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # As for every request, except `"max_tokens": null`: to the end of the context, as vLLM reads it
+        # (how a router resumes a chat that set no limit on /v1/completions).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k == "max_tokens"}
+        return data
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None

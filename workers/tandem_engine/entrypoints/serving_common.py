@@ -118,19 +118,20 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
 
 
 def check_length(engine: EngineClient, num_prompt_tokens: int, max_tokens: int | None, what: str) -> int:
-    """Check prompt (+ explicit max_tokens) against the context; return the max_tokens to use."""
+    """Check the prompt (and max_tokens) against the context; return the max_tokens to use (None: what the
+    context leaves)."""
     limit = engine.max_model_len
     if num_prompt_tokens == 0:
         raise OpenAIError(f"The {what} is empty", param="prompt" if what == "prompt" else "messages")
     if max_tokens is not None and max_tokens < 1:
         raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if num_prompt_tokens >= limit:  # the input's fault, whatever max_tokens says
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens, but the {what} has "
+            f"{num_prompt_tokens} tokens, leaving no room for the completion.",
+            param="messages" if what == "messages" else "prompt",
+        )
     if max_tokens is None:
-        if num_prompt_tokens >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens, but the {what} has "
-                f"{num_prompt_tokens} tokens, leaving no room for the completion.",
-                param="messages" if what == "messages" else "prompt",
-            )
         return limit - num_prompt_tokens
     if num_prompt_tokens + max_tokens > limit:
         raise OpenAIError(
