@@ -30,8 +30,8 @@ $(STAMP): pyproject.toml Makefile
 tools: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, helm from Go modules (cached)
 	hack/build-tools.sh
 
-cluster: setup tools ## a local Kubernetes control plane + test node agent in the foreground (Ctrl-C stops it)
-	$(PY) -m tests.k8s.cluster
+cluster: setup tools ## a local Kubernetes control plane + test node agent in the foreground (Ctrl-C stops it; CLUSTER_ARGS=--help)
+	$(PY) -m tests.k8s.cluster $(CLUSTER_ARGS)
 
 run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/tandem up --model $(MODEL) --port $(PORT)

@@ -1,6 +1,6 @@
 """A whole test cluster: the real control plane plus one node run by the test node agent.
 
-    python -m tests.k8s.cluster [--work-dir DIR]
+    python -m tests.k8s.cluster [--work-dir DIR] [--bridge NAME --pod-cidr CIDR]     (make cluster)
 
 runs it in the foreground (as root) and, once ready, prints the two lines to paste into another shell
 (KUBECONFIG and PATH with kubectl and helm); Ctrl-C stops everything and leaves no process, network
@@ -148,6 +148,9 @@ def eventually(predicate: Any, timeout_s: float, message: str, interval_s: float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.k8s.cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, help="where certs, kubeconfig and logs go (default: a new temp dir)")
+    parser.add_argument("--bridge", default="tandem0",
+                        help="the pod network's bridge (default tandem0, the test suite's: one cluster per bridge)")
+    parser.add_argument("--pod-cidr", default="10.244.0.0/24", help="pod addresses (default 10.244.0.0/24)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = preflight()
@@ -168,18 +171,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        cluster = Cluster(work_dir, bin_dir).start()
+        cluster = Cluster(work_dir, bin_dir, PodNetwork(args.bridge, args.pod_cidr)).start()
     except KeyboardInterrupt:
         logger.info("[shutdown] interrupted during startup; logs in %s", work_dir)
         return 130
-    with cluster:
+    # Started above: `with cluster:` would start it a second time (its __enter__ starts), in the same
+    # work dir, with new certificates the first node agent does not trust.
+    try:
         signal.signal(signal.SIGINT, finish)
         signal.signal(signal.SIGTERM, finish)
-        print(f"export KUBECONFIG={work_dir / 'control-plane' / 'kubeconfig'}")
+        print(f"export KUBECONFIG={cluster.kubeconfig}")
         print(f"export PATH={bin_dir}:$PATH", flush=True)
         while not done.wait(1.0):
             pass
         logger.info("[shutdown] stopping; logs stay in %s", work_dir)
+    finally:
+        cluster.stop()
     return 0
 
 

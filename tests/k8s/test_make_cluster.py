@@ -1,0 +1,128 @@
+"""`make cluster` as the README tells a user to run it: in the foreground, the two `export` lines once it is
+up, kubectl working with them, and Ctrl-C leaving nothing behind."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.k8s.cluster import build_tools, preflight
+from tests.k8s.fixtures import BUILD_TIMEOUT_S, REPO
+
+# Its own bridge and addresses: the session's cluster (tandem0, 10.244.0.0/24) may be up in this process.
+BRIDGE, CIDR = "tandem7", "10.244.7.0/24"
+UP_WITHIN_S = 60  # the acceptance bound, once the tools are built
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of live processes that mention `text`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{d.name}: {cmd[:200]}")
+    return found
+
+
+class Output:
+    """Every line a process prints, read by a thread (a line already in the pipe's buffer wakes no
+    select()), waited for by content."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._new: queue.Queue[str] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        for line in proc.stdout or ():
+            self._new.put(line.rstrip("\n"))
+
+    def exports(self, deadline: float) -> dict[str, str]:
+        """The `export NAME=value` lines, read until both came or the deadline passed."""
+        found: dict[str, str] = {}
+        while len(found) < 2 and (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._new.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            self.lines.append(line)
+            if m := re.match(r"export (KUBECONFIG|PATH)=(.*)$", line.strip()):
+                found[m[1]] = m[2]
+        return found
+
+    def rest(self) -> str:
+        """All the output, once the process has exited."""
+        self._thread.join(timeout=10)
+        while not self._new.empty():
+            self.lines.append(self._new.get())
+        return "\n".join(self.lines)
+
+
+@pytest.mark.k8s
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
+def test_make_cluster_prints_working_exports_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+    if problem := preflight():
+        pytest.fail(problem, pytrace=False)
+    build_tools()  # a no-op once built; the bound below is for the cluster, not for a cold build
+    mounts_before = Path("/proc/self/mounts").read_text()
+    work = tmp_path / "cluster"
+    # A new session, as a terminal's foreground job: Ctrl-C signals make and the cluster together.
+    proc = subprocess.Popen(
+        ["make", "--no-print-directory", "cluster",
+         f"CLUSTER_ARGS=--work-dir {work} --bridge {BRIDGE} --pod-cidr {CIDR}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = Output(proc)
+    try:
+        exports = output.exports(time.monotonic() + UP_WITHIN_S)
+        tail = "\n".join(output.lines[-40:])
+        assert set(exports) == {"KUBECONFIG", "PATH"}, f"no exports within {UP_WITHIN_S} s:\n{tail}"
+        # The shell would expand $PATH in the export line; do the same.
+        env = {**os.environ, "KUBECONFIG": exports["KUBECONFIG"],
+               "PATH": exports["PATH"].replace("$PATH", os.environ["PATH"])}
+        assert Path(exports["KUBECONFIG"]).is_file()
+
+        def kubectl(*args: str) -> str:
+            out = subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, f"kubectl {' '.join(args)}: {out.stderr}"
+            return out.stdout
+
+        assert "Server Version: v1." in kubectl("version")
+        # The node registers and turns Ready within moments of the exports (the first kubectl may race it).
+        deadline = time.monotonic() + 30
+        while " Ready " not in (nodes := kubectl("get", "nodes")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert re.search(r"\n\S+\s+Ready\s", nodes), nodes
+        assert _processes_naming(str(work)), "the control plane's processes were not found while it ran"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"make cluster did not stop within 60 s of Ctrl-C:\n{output.rest()[-3000:]}")
+    rest = output.rest()
+    # make itself dies of the SIGINT (as in a terminal), or reports its child's end
+    assert proc.returncode in (0, 2, 130, -signal.SIGINT), rest[-3000:]
+    assert "[shutdown]" in rest
+    assert not _processes_naming(str(work)), "processes outlived make cluster"
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [n for n in netns.splitlines() if n.startswith(f"{BRIDGE}-")], netns
+    assert subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode != 0, "bridge left"
+    assert not list(Path("/etc/netns").glob(f"{BRIDGE}-*"))
+    new_mounts = set(Path("/proc/self/mounts").read_text().splitlines()) - set(mounts_before.splitlines())
+    assert not new_mounts, f"mounts left behind: {new_mounts}"
