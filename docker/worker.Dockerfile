@@ -1,16 +1,23 @@
 # The worker image: `tandem serve` (engine) and `tandem route` (router), with torch.
 #   docker build -f docker/worker.Dockerfile -t ghcr.io/tandem-dev/tandem-worker:0.1.0 .
+#   make images          # the same with buildah, on a base made from Debian packages (hack/build-images.sh)
 # torch comes first and pinned, so nothing later can pull another build. Pick the wheel with
-# TORCH_INDEX_URL (a CPU-only or a CUDA wheel index); empty uses the default index.
+# TORCH_INDEX_URL (a CPU-only or a CUDA wheel index); empty uses the default index, PyPI, whose only
+# Linux x86-64 build links its CUDA libraries at load (libtorch.so needs libtorch_cuda.so, which needs
+# cudart, cuBLAS, cuDNN, ... from the nvidia-* wheels): ~4 GB of them, unused on a CPU, but `import torch`
+# fails without them. PIP_FIND_LINKS names a folder of wheels mounted into the build (make images mounts
+# the ones `make setup` downloaded), so nothing is downloaded twice.
 # The embedded model's cache and the CPU attention kernel are built into the image (the `cache` stage),
 # so a pod starts warm from a read-only /opt/tandem/cache (docs/operations.md, "Start-up and the model
 # cache"). The kernel is built for CPU_KERNEL_MARCH, not for the build machine's CPU: x86-64-v3 (AVX2)
 # runs on the nodes of the last decade; on other nodes the engine uses its torch attention path. For an
 # arm64 image pass --build-arg CPU_KERNEL_MARCH=armv8-a.
-FROM python:3.11-slim AS base
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS base
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
+ARG PIP_FIND_LINKS=
 ARG CPU_KERNEL_MARCH=x86-64-v3
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
