@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the Kubernetes binaries the tests and `make cluster` use, from source, at pinned versions.
+# Build the Kubernetes binaries the tests and `make cluster` use, from source, at pinned versions: the
+# control plane, kubectl, helm, and a real node's kubelet and kube-proxy.
 #
 #   hack/build-tools.sh          build what is missing, print the folder holding the binaries
 #   hack/build-tools.sh --print  print that folder only (exit 1 if a binary is missing)
@@ -17,6 +18,7 @@ K8S_VERSION=v1.37.2
 ETCD_VERSION=v3.7.3
 HELM_VERSION=v4.3.2
 KWOK_VERSION=v0.8.0
+COREDNS_VERSION=v1.15.0
 
 here="$(cd "$(dirname "$0")" && pwd)"
 module="$here/k8s-tools"
@@ -31,12 +33,14 @@ declare -A packages=(
   [kube-scheduler]=k8s.io/kubernetes/cmd/kube-scheduler
   [kubectl]=k8s.io/kubernetes/cmd/kubectl
   [helm]=helm.sh/helm/v4/cmd/helm
+  [kubelet]=k8s.io/kubernetes/cmd/kubelet
+  [kube-proxy]=k8s.io/kubernetes/cmd/kube-proxy
 )
-order=(kubectl helm etcd kube-scheduler kube-controller-manager kube-apiserver)
+order=(kubectl helm etcd kube-scheduler kube-controller-manager kube-apiserver kubelet kube-proxy)
 [[ "${1:-}" == "kwok" ]] && shift  # accepted for old callers: kwok is always built now
 
 missing=()
-for name in "${order[@]}" kwok; do
+for name in "${order[@]}" kwok coredns; do
   [[ -x "$bin/$name" ]] || missing+=("$name")
 done
 if [[ "${1:-}" == "--print" ]]; then
@@ -53,6 +57,16 @@ build_kwok() {
   GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$bin" go install -trimpath -ldflags "-s -w" \
     "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
   echo "[tools] kwok done in $((SECONDS - start)) s" >&2
+}
+build_coredns() {
+  # The real node's cluster DNS (hack/build-node-images.sh puts it in an image). Like kwok: no replace
+  # lines in its go.mod, so `go install module@version`, checked against the checksum database.
+  [[ -x "$bin/coredns" ]] && return
+  echo "[tools] coredns <- github.com/coredns/coredns@$COREDNS_VERSION" >&2
+  local start=$SECONDS
+  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$bin" go install -trimpath -ldflags "-s -w" \
+    "github.com/coredns/coredns@$COREDNS_VERSION"
+  echo "[tools] coredns done in $((SECONDS - start)) s" >&2
 }
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "$bin"
@@ -96,4 +110,5 @@ for name in "${order[@]}"; do
 done
 echo "[tools] all built in $((SECONDS - start_all)) s" >&2
 build_kwok
+build_coredns
 echo "$bin"

@@ -1,4 +1,5 @@
-"""A whole test cluster: the real control plane plus one node run by the test node agent.
+"""A whole test cluster: the real control plane plus one node, real (a kubelet with containerd: real_node.py)
+or run by the test node agent.
 
     python -m tests.k8s.cluster [--work-dir DIR] [--bridge NAME --pod-cidr CIDR]     (make cluster)
 
@@ -29,6 +30,7 @@ from tests.k8s.controlplane import ControlPlane
 from tests.k8s.kube import Kube
 from tests.k8s.node_agent import REPO, NodeAgent
 from tests.k8s.pod_network import PodNetwork
+from tests.k8s.real_node import RealNode, product_images
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +53,18 @@ def build_tools() -> Path:
 
 class Cluster:
     def __init__(self, work_dir: Path, bin_dir: Path, network: PodNetwork | None = None,
-                 entrypoints: dict[str, list[str]] | None = None) -> None:
+                 entrypoints: dict[str, list[str]] | None = None, real_node: RealNode | None = None) -> None:
+        """With `real_node` (whose control plane this cluster's becomes), that node alone, untainted: no
+        node agent and no `network`. Without, the node agent's node (the suite's session cluster, which
+        adds a real node beside it: fixtures.py)."""
         self.work_dir = work_dir
         self.bin_dir = bin_dir
+        self.real_node = real_node
         self.network = network or PodNetwork()
-        self.control_plane = ControlPlane(work_dir / "control-plane", bin_dir, advertise_address=self.network.host_ip)
+        advertise = real_node.gateway if real_node else self.network.host_ip
+        self.control_plane = ControlPlane(work_dir / "control-plane", bin_dir, advertise_address=advertise)
+        if real_node:
+            real_node.control_plane = self.control_plane
         self.entrypoints = entrypoints
         self.agent: NodeAgent | None = None
         self.api: kubernetes.client.ApiClient | None = None
@@ -79,11 +88,16 @@ class Cluster:
     def start(self) -> Cluster:
         began = time.monotonic()
         try:
+            if self.real_node:
+                self.real_node.prepare_network()
             self.control_plane.start()
             self.api = self.control_plane.api_client()
-            self.agent = NodeAgent(self.api, self.work_dir / "node", network=self.network,
-                                   entrypoints=self.entrypoints).start()
-            self.agent.wait_ready()
+            if self.real_node:
+                self.real_node.start()
+            else:
+                self.agent = NodeAgent(self.api, self.work_dir / "node", network=self.network,
+                                       entrypoints=self.entrypoints).start()
+                self.agent.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -95,13 +109,15 @@ class Cluster:
         if self.agent is not None:
             self.agent.stop()
             self.agent = None
+        if self.real_node:
+            self.real_node.stop()
         self.control_plane.stop()
         if self.api is not None:
             self.api.close()
             self.api = None
 
     def leftovers(self) -> list[str]:
-        return self.network.leftovers()
+        return self.real_node.leftovers() if self.real_node else self.network.leftovers()
 
     def kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
         return self.control_plane.kubectl(*args, input=input)
@@ -151,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bridge", default="tandem0",
                         help="the pod network's bridge (default tandem0, the test suite's: one cluster per bridge)")
     parser.add_argument("--pod-cidr", default="10.244.0.0/24", help="pod addresses (default 10.244.0.0/24)")
+    parser.add_argument("--node", choices=("real", "agent"), default="real",
+                        help="real: a kubelet with containerd running the images of docker/ (default); "
+                             "agent: the test node agent, which runs pod commands from .venv")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = preflight()
@@ -171,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        cluster = Cluster(work_dir, bin_dir, PodNetwork(args.bridge, args.pod_cidr)).start()
+        if args.node == "real":
+            node = RealNode(work_dir / "node", bin_dir, None, name="tandem-node-0", bridge=args.bridge,
+                            pod_cidr=args.pod_cidr, images=product_images(), tainted=False)
+            cluster = Cluster(work_dir, bin_dir, real_node=node).start()
+        else:
+            cluster = Cluster(work_dir, bin_dir, PodNetwork(args.bridge, args.pod_cidr)).start()
     except KeyboardInterrupt:
         logger.info("[shutdown] interrupted during startup; logs in %s", work_dir)
         return 130
@@ -181,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, finish)
         signal.signal(signal.SIGTERM, finish)
         print(f"export KUBECONFIG={cluster.kubeconfig}")
-        print(f"export PATH={bin_dir}:$PATH", flush=True)
+        print(f"export PATH={bin_dir}:$PATH")
+        if cluster.real_node:
+            sock = cluster.real_node.socket
+            print(f"# images rebuilt by `make images` load at the next start, or now with:\n"
+                  f"#   buildah push IMAGE docker-archive:/tmp/i.tar:IMAGE && "
+                  f"ctr --address {sock} -n k8s.io images import /tmp/i.tar")
+        print(end="", flush=True)
         while not done.wait(1.0):
             pass
         logger.info("[shutdown] stopping; logs stay in %s", work_dir)

@@ -100,6 +100,9 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # RBAC stays on: it is what proves a chart's Roles suffice.
             "--authorization-mode=Node,RBAC", "--allow-privileged=true",
+            # How `kubectl logs/exec/port-forward` reach a real node's kubelet: as the admin, at its InternalIP.
+            f"--kubelet-client-certificate={pki.admin_cert}", f"--kubelet-client-key={pki.admin_key}",
+            "--kubelet-preferred-address-types=InternalIP",
         ])
         self._wait("kube-apiserver", lambda: self._get(f"{self.url}/readyz") == b"ok")
 

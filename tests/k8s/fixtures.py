@@ -17,6 +17,7 @@ import pytest
 if TYPE_CHECKING:
     from tests.k8s.cluster import Cluster
     from tests.k8s.kwok import FakeNode
+    from tests.k8s.real_node import RealNode
 
 REPO = Path(__file__).resolve().parents[2]
 # A cold build of the Kubernetes binaries takes tens of minutes on 2 cores: more than one test's timeout.
@@ -70,3 +71,22 @@ def k8s_fake_node(k8s_cluster: Cluster) -> Iterator[FakeNode]:
         yield node
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="session")
+def k8s_real_node(k8s_cluster: Cluster) -> Iterator[RealNode]:
+    """A real node (kubelet, containerd, CNI, kube-proxy, CoreDNS) on the session cluster, holding the images
+    of docker/ (built first if missing), tainted: only pods that tolerate it land there."""
+    from tests.k8s.real_node import RealNode, preflight, product_images
+
+    problem = preflight()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    node = RealNode(k8s_cluster.work_dir / "real-node", k8s_cluster.bin_dir, k8s_cluster.control_plane,
+                    images=product_images()).start()
+    try:
+        yield node
+    finally:
+        node.stop()
+    leftovers = node.leftovers()
+    assert not leftovers, f"the real node left behind: {leftovers}"

@@ -129,3 +129,16 @@ def make_pki(directory: Path, server_ips: Sequence[str]) -> Pki:
         sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     return pki
+
+
+def issue_client_cert(pki: Pki, stem: Path, common_name: str, organization: str) -> tuple[Path, Path]:
+    """A client certificate signed by the cluster's CA, as `stem`.crt and `stem`.key: a kubelet's identity
+    (CN=system:node:NAME, O=system:nodes) for the Node authorizer."""
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, rsa.RSAPrivateKey)
+    ca_name = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes()).subject
+    cert, key = _leaf(ca_key, ca_name, _name(common_name, organization), ExtendedKeyUsageOID.CLIENT_AUTH)
+    crt, pem = stem.with_suffix(".crt"), stem.with_suffix(".key")
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(pem, key)
+    return crt, pem
