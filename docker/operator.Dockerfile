@@ -21,6 +21,10 @@ RUN python -c "import sys, tandem_operator.handlers, tandem_operator.cli, tandem
 bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tandem_engine', 'tandem_router')]; \
 sys.exit(f'operator imports {bad}' if bad else 0)"
 
+# A passwd entry for the user pods run as: getpass.getuser() (kopf's peering id, torch's cache paths)
+# raises KeyError for a UID without one.
+RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
+    --shell /usr/sbin/nologin tandem
 USER 10001:10001
 # `python -m tandem_operator ARGS` is `tandem operator ARGS`: ARGS go to `kopf run` unchanged.
 ENTRYPOINT ["python", "-m", "tandem_operator"]

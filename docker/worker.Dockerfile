@@ -48,6 +48,10 @@ RUN python -m tandem_engine.prepare --model smollm2-135m-instruct --cache-dir /o
 FROM base
 COPY --from=cache /opt/tandem/cache /opt/tandem/cache
 # Pods run read-only as this user; /tmp and /dev/shm are emptyDir volumes there, /models a model volume.
+# A passwd entry for the user pods run as: getpass.getuser() (kopf's peering id, torch's cache paths)
+# raises KeyError for a UID without one.
+RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
+    --shell /usr/sbin/nologin tandem
 RUN mkdir -p /models && chown 10001:10001 /models
 USER 10001:10001
 WORKDIR /tmp

@@ -85,19 +85,24 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
-def metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
-def chat(url: str, max_tokens: int = 12) -> str:
+def chat_usage(url: str, max_tokens: int = 12) -> tuple[str, int]:
+    """The greedy answer to MESSAGES and its prompt's token count."""
     r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
         "model": "smollm2-135m-instruct", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
-    return str(r.json()["choices"][0]["message"]["content"])
+    return str(r.json()["choices"][0]["message"]["content"]), int(r.json()["usage"]["prompt_tokens"])
+
+
+def chat(url: str, max_tokens: int = 12) -> str:
+    return chat_usage(url, max_tokens)[0]
+
+
+def blocks_read(prompt_tokens: int, block_size: int = 16) -> int:
+    """KV blocks a decode engine holding none of the prompt reads from prefill: all but the last token's,
+    which it recomputes for its logits (the examples' blockSize is 16)."""
+    return -(-(prompt_tokens - 1) // block_size)
 
 
 def wait_ready(env: Env, ns: str, name: str, timeout: float = 600) -> dict[str, Any]:
