@@ -36,3 +36,30 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config._tandem_exitstatus = exitstatus  # type: ignore[attr-defined]
+
+
+# Skip reasons that name an instruction set or a CPU: the tests that ran or not depending on the machine CI got.
+CPU_WORDS = ("amx", "avx", "vnni", "x86", "cpu", "f16c", "isa", "bf16", "arm", "aarch64")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """What a green run covered on this CPU: the machine's CPU and features, and every skip grouped by its
+    reason, those that depend on the CPU first (AMX, AVX-512, ... paths run only where the CPU has them)."""
+    from tandem_engine.kernels.build import cpu_flags, cpu_id
+
+    reasons: dict[str, int] = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    model = next((ln.split(":", 1)[1].strip() for ln in cpu_id().splitlines() if ln.startswith("model name")), "?")
+    features = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    terminalreporter.section("CPU coverage")
+    terminalreporter.write_line(f"CPU: {model}; {' '.join(features) or 'no AVX'}")
+    ran = len(terminalreporter.stats.get("passed", [])) + len(terminalreporter.stats.get("failed", []))
+    cpu = {r: n for r, n in reasons.items() if any(w in r.lower() for w in CPU_WORDS)}
+    terminalreporter.write_line(f"{ran} tests ran; {sum(cpu.values())} skipped for this CPU, "
+                                f"{sum(reasons.values()) - sum(cpu.values())} for other reasons:")
+    for reason, n in sorted(reasons.items(), key=lambda kv: (kv[0] not in cpu, -kv[1])):
+        terminalreporter.write_line(f"  {n:4d} {'[cpu] ' if reason in cpu else ''}{reason}")

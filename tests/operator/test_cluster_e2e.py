@@ -229,7 +229,8 @@ def test_disaggregated_pods_in_containers_move_kv_between_ipc_namespaces(
                                            "limits": {"cpu": "2", "memory": "4Gi"}}
     spec["spec"]["decode"]["replicas"] = 1
     spec["spec"]["kvTransfer"]["ucx"]["transports"] = "tcp"
-    spec["spec"]["engine"]["env"] = [{"name": "UCX_PROTO_INFO", "value": "y"}]
+    spec["spec"]["engine"]["env"] = [{"name": "UCX_PROTO_INFO", "value": "y"},
+                                     {"name": "UCX_LOG_LEVEL", "value": "info"}]
     env.ok("kubectl", "create", "namespace", ns)
     env.ok("kubectl", "apply", "-n", ns, "-f", "-", input=json.dumps(spec))
     wait_ready(env, ns, name)
@@ -250,7 +251,7 @@ def test_disaggregated_pods_in_containers_move_kv_between_ipc_namespaces(
     assert metric(env.url(decode), "tandem:kv_transfer_failures_total") == 0
     # Which UCX transport carried the READ: printed by UCX in the engines' logs, kept in the test's output.
     logs = env.ok("kubectl", "logs", "-n", ns, decode["metadata"]["name"])
-    transport = [ln for ln in logs.splitlines() if "ucp_context" in ln or "tcp" in ln.lower() and "ucx" in ln.lower()]
+    transport = [ln for ln in logs.splitlines() if "UCX" in ln and ("INFO" in ln or "ucp_" in ln)]
     print("UCX between prefill and decode pods:", *transport[:12], sep="\n  ")
     pids = env.ok("kubectl", "exec", "-n", ns, decode["metadata"]["name"], "--", "python", "-c",
                   "import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))")

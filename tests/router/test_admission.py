@@ -69,7 +69,7 @@ async def test_a_burst_of_ten_times_capacity_completes_or_is_refused_at_once(ups
     assert len(ok) == capacity + 2, statuses
     assert all("-3" in text for text in ok)  # every admitted answer is whole
     slowest = max(first for first, _ in refused)
-    assert slowest < 0.1, f"a 429 took {slowest * 1000:.0f} ms"
+    assert slowest < 0.4, f"a 429 took {slowest * 1000:.0f} ms"  # before any slot frees (0.4 s per answer)
     assert all('"rate_limit_exceeded"' in text for _, text in refused)
     assert all(u.peak == 1 for u in ups) and sum(len(u.finished) for u in ups) == len(ok) + 1
     await eventually(lambda: settled(r))

@@ -101,7 +101,8 @@ async def test_held_requests_get_503_with_retry_after_bounded_by_the_queue(tmp_p
             await eventually(lambda: router.metric(HELD) == 2, timeout=2)
             status, retry_after, text, elapsed = await asyncio.wait_for(first, 10)
             assert (await asyncio.wait_for(last, 10))[0] == 503
-        assert status == 503 and 3.0 <= elapsed < 4.0 and int(retry_after) >= 1
+        # Not before its 3 s; after them within a poll and a loaded machine's turn, far from a second timeout.
+        assert status == 503 and 3.0 <= elapsed < 6.0 and int(retry_after) >= 1
         err = json.loads(text)["error"]
         assert err["code"] == 503 and err["type"] == "service_unavailable" and "within 3 s" in err["message"]
         assert router.metric(HELD) == 0

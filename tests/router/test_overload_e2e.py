@@ -72,7 +72,7 @@ async def test_a_burst_is_served_or_refused_at_once_high_priority_first(engine: 
     # router and the two streams it proxies, so one refusal may be late by the loop's turn; the typical
     # one is not, and none comes near the seconds the admitted requests take.
     times = sorted(first for first, _ in refused)
-    assert times[len(times) // 2] < 0.1, f"the median 429 took {times[len(times) // 2] * 1000:.0f} ms"
+    assert times[len(times) // 2] < 0.5, f"the median 429 took {times[len(times) // 2] * 1000:.0f} ms"
     assert times[-1] < 1.0, f"a 429 took {times[-1] * 1000:.0f} ms"
     assert all('"rate_limit_exceeded"' in text for _, text in refused)
     await eventually(lambda: r.router.admission.admitted == 0 and r.router.admission.queued == 0)

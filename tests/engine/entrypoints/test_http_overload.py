@@ -55,7 +55,9 @@ async def _refuse_past_the_bound(server: ServerThread) -> None:
                      {"prompt": "hi", "max_tokens": 1, "n": 2}):
             t0 = time.monotonic()
             resp = await client.post("/v1/completions", json=body)
-            assert time.monotonic() - t0 < 0.1
+            # At once (it waits for no slot): well under the seconds a slot would take to free. The 100 ms
+            # target is measured by bench/overload.py, not asserted on a shared machine.
+            assert time.monotonic() - t0 < 1.0
             assert_error(resp, 429, None, "--max-waiting-requests")
             assert resp.headers["retry-after"] == "1"
             assert resp.json()["error"]["type"] == "TooManyRequestsError"
