@@ -48,25 +48,21 @@ if [[ "${1:-}" == "--print" ]]; then
   echo "$bin"
   exit 0
 fi
+go_install() {  # NAME MODULE_PATH@VERSION: a module whose go.mod has no replace lines installs as is
+  [[ -x "$bin/$1" ]] && return
+  echo "[tools] $1 <- $2" >&2
+  local start=$SECONDS
+  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$bin" go install -trimpath -ldflags "-s -w" "$2"
+  echo "[tools] $1 done in $((SECONDS - start)) s" >&2
+}
 build_kwok() {
   # kwok's go.mod has no replace lines, so `go install module@version` works (its sum is checked against
   # the checksum database). Its stage files (pod-ready, node-initialize) ship in the module.
-  [[ -x "$bin/kwok" ]] && return
-  echo "[tools] kwok <- sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" >&2
-  local start=$SECONDS
-  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$bin" go install -trimpath -ldflags "-s -w" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-  echo "[tools] kwok done in $((SECONDS - start)) s" >&2
+  go_install kwok "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 }
 build_coredns() {
-  # The real node's cluster DNS (hack/build-node-images.sh puts it in an image). Like kwok: no replace
-  # lines in its go.mod, so `go install module@version`, checked against the checksum database.
-  [[ -x "$bin/coredns" ]] && return
-  echo "[tools] coredns <- github.com/coredns/coredns@$COREDNS_VERSION" >&2
-  local start=$SECONDS
-  GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$bin" go install -trimpath -ldflags "-s -w" \
-    "github.com/coredns/coredns@$COREDNS_VERSION"
-  echo "[tools] coredns done in $((SECONDS - start)) s" >&2
+  # The real node's cluster DNS (hack/build-node-images.sh puts it in an image); installed like kwok.
+  go_install coredns "github.com/coredns/coredns@$COREDNS_VERSION"
 }
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "$bin"
