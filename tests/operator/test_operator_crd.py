@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from crd_utils import admit, all_rules, apply_defaults
-from isvc_utils import CRD_PATH, EXAMPLES, crd_schema, load_yaml, variant
+from isvc_utils import AUTOSCALED, CRD_PATH, EXAMPLES, INVALID, crd_schema, load_yaml, variant
 
 from tandem_operator import GROUP, KIND, PLURAL, VERSION
 from tandem_operator.spec import ROUTER_POLICIES, SpecError, parse_spec
@@ -48,40 +48,6 @@ def test_examples_are_admitted(path: Any) -> None:
     defaulted, problems = admit(crd_schema(), obj)
     assert problems == []
     parse_spec(defaulted)  # and the operator accepts them too
-
-
-AUTOSCALED = {"prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 4}}
-
-INVALID = {
-    "negative replicas": ({"spec.decode.replicas": -1}, "decode.replicas"),
-    "replicas not a number": ({"spec.router.replicas": "two"}, "router.replicas"),
-    "unknown policy": ({"spec.router.policy": "Random"}, "policy"),
-    "unknown connector": ({"spec.kvTransfer.connector": "Mooncake"}, "connector"),
-    "block size": ({"spec.engine.blockSize": 17}, "blockSize"),
-    "model uri": ({"spec.model.uri": "s3://bucket/model"}, "uri"),
-    "no model": ({"spec.model": None}, "model"),
-    "unknown field": ({"spec.engine.blocksize": 16}, "blocksize"),
-    "prefill without connector": ({"spec.kvTransfer": None}, "KV connector"),
-    "side channel on the http port": ({"spec.kvTransfer.sideChannelPort": 8000}, "sideChannelPort"),
-    "managed flag in extraArgs": ({"spec.engine.extraArgs": ["--block-size=32"]}, "extraArgs"),
-    "batch below seqs": ({"spec.engine.maxNumBatchedTokens": 8}, "maxNumBatchedTokens"),
-    "name too long": ({"metadata.name": "x" * 41}, "40 characters"),
-    "autoscaling min above max": ({"spec.autoscaling": {"decode": {"minReplicas": 3, "maxReplicas": 2}}},
-                                  "minReplicas must be <= maxReplicas"),
-    "autoscaling without max": ({"spec.autoscaling": {"decode": {"minReplicas": 1}}}, "maxReplicas"),
-    "autoscaling without decode": ({"spec.autoscaling": {"intervalSeconds": 15}}, "decode"),
-    "ratio min above max": ({"spec.autoscaling": {**AUTOSCALED, "prefillDecodeRatio": {"min": 2, "max": 0.5}}},
-                            "prefillDecodeRatio.min must be <= max"),
-    "ratio without prefill bounds": ({"spec.autoscaling": {"decode": {"maxReplicas": 4},
-                                                           "prefillDecodeRatio": {"max": 2}}}, "prefillDecodeRatio"),
-    "percentile": ({"spec.autoscaling": {**AUTOSCALED, "targets": {"percentile": 80}}}, "percentile"),
-    "kv target above 1": ({"spec.autoscaling": {**AUTOSCALED, "fallback": {"kvCacheUsage": 1.5}}}, "kvCacheUsage"),
-    "zero on one role only": ({"spec.autoscaling": {"prefill": {"minReplicas": 0, "maxReplicas": 2},
-                                                    "decode": {"minReplicas": 1, "maxReplicas": 4}}}, "both"),
-    "decode to zero, prefill fixed": ({"spec.autoscaling": {"decode": {"minReplicas": 0, "maxReplicas": 4}}},
-                                      "needs autoscaling.prefill"),
-    "idle below 30 s": ({"spec.autoscaling": {**AUTOSCALED, "scaleToZero": {"idleSeconds": 5}}}, "idleSeconds"),
-}
 
 
 @pytest.mark.parametrize("change, needle", INVALID.values(), ids=INVALID.keys())
