@@ -552,7 +552,6 @@ static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE
 /* Rows of an item with g query heads per KV head, padded to whole vectors. */
 static inline int pf_rpad(int rows) { return (rows + 15) & ~15; }
 
-
 /* Scores of RV x 16 rows (from the [D][rpad] panel qt) by PF_SC_KEYS keys (kp), into sc [key][rpad]. */
 static inline __attribute__((always_inline)) void pf_scores(float *sc, int64_t rpad, const float *qt,
                                                             const float *const *kp, int d, const int rv) {

@@ -184,6 +184,11 @@ class SamplingRequest(RequestModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
     max_tokens: Int64 | None = COMPLETION_MAX_TOKENS
+    logprobs: Int64 | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Int64 | None = None
+    add_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -193,11 +198,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k == "max_tokens"}
         return data
-    logprobs: Int64 | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: Int64 | None = None
-    add_special_tokens: bool = True
 
 
 class ContentPart(RequestModel):
