@@ -63,10 +63,16 @@ for name in "${order[@]}"; do
     continue
   fi
   start=$SECONDS
+  previous=$(buildah inspect --type image --format '{{.FromImageID}}' "${tags[$name]}" 2>/dev/null || true)
   echo "[images] ${tags[$name]} <- ${dockerfiles[$name]} on $base" >&2
   buildah bud --runtime runc --layers --quiet \
     --build-arg BASE_IMAGE="$base" --build-arg PIP_FIND_LINKS=/wheels -v "$WHEELS:/wheels:ro" "${mounts[@]}" \
     --annotation dev.tandem.source="$key" -f "${dockerfiles[$name]}" -t "${tags[$name]}" . >&2
   echo "[images] ${tags[$name]} built in $((SECONDS - start)) s" >&2
+  # The version it replaces, now nameless: gigabytes a rebuild would otherwise leave each time (the layers
+  # it shares with the new one, and the build's cache of earlier steps, stay).
+  if [[ -n "$previous" && "$previous" != "$(buildah inspect --type image --format '{{.FromImageID}}' "${tags[$name]}")" ]]; then
+    buildah rmi "$previous" >/dev/null 2>&1 || true
+  fi
   echo "${tags[$name]}"
 done

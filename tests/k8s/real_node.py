@@ -36,6 +36,7 @@ CNI_BIN = Path("/usr/lib/cni")
 CLUSTER_DNS = str(ipaddress.ip_network(SERVICE_CIDR)[10])  # 10.96.0.10, as kubeadm picks it
 REAL_NODE_TAINT = "tandem.dev/real-node"  # while the agent's node serves the other tests: pods opt in
 NAMESPACE = "k8s.io"  # containerd's namespace for CRI
+IMAGE_ID_LABEL = "dev.tandem.image-id"  # on an image's name in containerd: the buildah image it was copied from
 
 
 def preflight() -> str | None:
@@ -114,8 +115,8 @@ class RealNode:
         try:
             self.node_images = build_node_images(self.bin_dir)
             self._start_containerd()
-            for image in [*self.node_images.values(), *self.images]:
-                self.load_image(image)
+            if [self.load_image(image) for image in [*self.node_images.values(), *self.images]].count(True):
+                self._collect_garbage()
             self._start_kubelet()
             self._start_kube_proxy()
             self._start_coredns()
@@ -191,23 +192,37 @@ class RealNode:
     def has_image(self, image: str) -> bool:
         return image in self.ctr("images", "ls", "-q").stdout.split()
 
-    def load_image(self, image: str) -> None:
-        """Copy `image` from buildah's storage into containerd's, unless it is there: its name, and its id (the
-        digest of its config, which a docker-archive import keeps and names an image after)."""
+    def load_image(self, image: str) -> bool:
+        """Copy `image` from buildah's storage into containerd's, unless it is there in this version: the
+        image id (the digest of its config) is kept as a label of the name. Returns whether it copied."""
         image_id = subprocess.run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", image],
                                   capture_output=True, text=True, check=True).stdout.strip()
-        names = set(self.ctr("images", "ls", "-q").stdout.split())
-        if {image, f"sha256:{image_id}"} <= names:
-            return
+        label = f"{IMAGE_ID_LABEL}={image_id}"
+        if any(line.split()[:1] == [image] and label in line for line in self.ctr("images", "ls").stdout.splitlines()):
+            return False
         began = time.monotonic()
         archive = self.work_dir / "image.tar"
         try:
             subprocess.run(["buildah", "push", "--quiet", image, f"docker-archive:{archive}:{image}"],
                            capture_output=True, text=True, check=True, timeout=1200)
-            self.ctr("images", "import", "--no-unpack=false", str(archive), timeout=1200)
+            self.ctr("images", "import", str(archive), timeout=1200)
+            self.ctr("images", "label", image, label)
         finally:
             archive.unlink(missing_ok=True)
         logger.info("[startup] image %s loaded into containerd in %.1f s", image, time.monotonic() - began)
+        return True
+
+    def _collect_garbage(self) -> None:
+        """Free what earlier versions of the images held (gigabytes for each rebuilt worker image): names an
+        import left under an image id, then a synchronous collection of every blob and snapshot no name
+        and no container uses (a deletion is what starts one)."""
+        names = self.ctr("images", "ls", "-q").stdout.split()
+        stale = [n for n in names if n.startswith("sha256:")]
+        trigger = "localhost/tandem-gc:trigger"
+        if names:
+            self.ctr("images", "tag", "--force", names[0], trigger, check=False)
+        self.ctr("images", "rm", "--sync", *stale, trigger, check=False)
+        logger.info("[startup] containerd's store collected (%d earlier image names dropped)", len(stale))
 
     def _start_kubelet(self) -> None:
         pki = self.control_plane.pki
