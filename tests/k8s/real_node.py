@@ -189,9 +189,6 @@ class RealNode:
         return subprocess.run(["ctr", "--address", str(self.socket), "-n", NAMESPACE, *args], capture_output=True,
                               text=True, check=check, timeout=timeout)
 
-    def has_image(self, image: str) -> bool:
-        return image in self.ctr("images", "ls", "-q").stdout.split()
-
     def load_image(self, image: str) -> bool:
         """Copy `image` from buildah's storage into containerd's, unless it is there in this version: the
         image id (the digest of its config) is kept as a label of the name. Returns whether it copied."""
