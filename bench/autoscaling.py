@@ -4,16 +4,16 @@ replica-seconds), and the time from a first request to its first token when the 
 
     sudo .venv/bin/python bench/autoscaling.py [--low 0.4 --high 2.0 --ramp 30,90,60]
 
-Starts the test cluster (tests/k8s: etcd, kube-apiserver, controller-manager, scheduler, and the node
-agent running pods as processes on this machine) and the operator (`tandem operator -A --standalone`, a
-child process with the cluster's kubeconfig). Per arm, a colocated InferenceService (one core per engine
-pod, `--max-num-seqs 8`): `fixed-min` 1 decode replica, `fixed-max` 2, `planner` min 1 max 2 with the
-targets below. Requests (~60-word prompts, 32 streamed tokens) arrive at Poisson times through the router
-pod: `--low` req/s, then `--high`, then `--low` again, for the `--ramp` seconds. A request meets the SLO
-when its TTFT is within `--ttft` and its mean inter-token time within `--itl`. Replica-seconds integrate
-the ready decode pods over the ramp. Then the planner's service gets `minReplicas: 0`; once idle at
-zero, one request is sent and timed to its first token (`--zero-trials` times). Writes
-bench/results/autoscaling.json, .md and .png.
+Starts the test cluster (tests/k8s: etcd, kube-apiserver, controller-manager, scheduler, and a real node
+running the pods as containers from the images of docker/, their 1-CPU limits as CFS quotas) and the
+operator (`tandem operator -A --standalone`, a child process with the cluster's kubeconfig). Per arm, a
+colocated InferenceService (one core per engine pod, `--max-num-seqs 8`): `fixed-min` 1 decode replica,
+`fixed-max` 2, `planner` min 1 max 2 with the targets below. Requests (~60-word prompts, 32 streamed tokens)
+arrive at Poisson times through the router pod: `--low` req/s, then `--high`, then `--low` again, for the
+`--ramp` seconds. A request meets the SLO when its TTFT is within `--ttft` and its mean inter-token time
+within `--itl`. Replica-seconds integrate the ready decode pods over the ramp. Then the planner's service
+gets `minReplicas: 0`; once idle at zero, one request is sent and timed to its first token (`--zero-trials`
+times). Writes bench/results/autoscaling.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "operator")]
 
 import aiohttp  # noqa: E402
-from cluster_utils import LABEL_ISVC, LABEL_ROLE, dockerfile_entrypoints  # noqa: E402
+from cluster_utils import LABEL_ISVC, LABEL_ROLE  # noqa: E402
 from harness import MODEL, bench_main, text  # noqa: E402
 from tests.k8s.cluster import Cluster, build_tools, eventually  # noqa: E402
+from tests.k8s.real_node import RealNode, product_images  # noqa: E402
 
 from tandem_router.bench.client import Record, Target, one_request  # noqa: E402
 from tandem_router.procs import TANDEM  # noqa: E402
@@ -64,7 +65,7 @@ def service(name: str, replicas: int, autoscaling: dict[str, Any] | None) -> dic
         "model": {"uri": MODEL},
         "engine": {"dtype": "float32", "maxModelLen": 1024, "maxNumSeqs": 8},
         "prefill": {"enabled": False},
-        "decode": {"replicas": replicas, "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}},
+        "decode": {"replicas": replicas, "resources": {"requests": {"cpu": "500m"}, "limits": {"cpu": "1"}}},
         "router": {"policy": "LeastLoad"},
     }
     if autoscaling is not None:
@@ -180,7 +181,9 @@ async def first_token_from_zero(bench: Bench, name: str, a: argparse.Namespace) 
 
 
 async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    cluster = Cluster(work, build_tools(), entrypoints=dockerfile_entrypoints()).start()
+    bin_dir = build_tools()
+    node = RealNode(work / "node", bin_dir, None, images=product_images())
+    cluster = Cluster(work, bin_dir, real_node=node).start()
     operator = None
     try:
         bench = Bench(cluster)
@@ -261,8 +264,8 @@ def table(res: dict[str, Any]) -> str:
         "# Autoscaling on a real control plane: SLO attainment and cost across a load ramp",
         "",
         f"`{res['command']}` at {res['time']}, 1-minute load average {res['load_average'][0]:.2f} before, "
-        f"{res['load_average'][1]:.2f} after, {os.cpu_count()} cores. Test cluster (real control plane, pods run "
-        "as processes by the node agent) and the operator; a colocated InferenceService per arm (one core per "
+        f"{res['load_average'][1]:.2f} after, {os.cpu_count()} cores. Test cluster (real control plane, a real "
+        "node running the images as containers) and the operator; a colocated InferenceService per arm (one core per "
         f"engine pod). Poisson arrivals at {c['low']}, {c['high']}, {c['low']} requests/s for {c['ramp']} s "
         f"(~{c['prompt_words']}-word prompts, {c['max_tokens']} streamed tokens). SLO: TTFT <= {c['ttft']} s and "
         f"mean inter-token time <= {c['itl']} s. Planner: decode 1-2, the same targets, 5 s ticks, up window "

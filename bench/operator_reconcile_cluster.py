@@ -137,7 +137,7 @@ def run(singles: int, count: int, work: Path) -> dict[str, Any]:
         api = cp.api_client()
         kube = Kube(api)
         cp.kubectl("apply", "-f", str(REPO / "crds"), check=True)
-        # Untainted: no node agent here, so every pod belongs on the fake node.
+        # Untainted: no other node here, so every pod belongs on the fake node.
         kwok = FakeNode(bin_dir, cp.kubeconfig, kube, work / "kwok.log", taint=False).start()
         kube.post("/api/v1/namespaces", {"metadata": {"name": NS}})
         wait_until(lambda: kube.get_or_none(f"/api/v1/namespaces/{NS}/serviceaccounts/default") is not None, 60)

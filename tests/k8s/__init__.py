@@ -1,1 +1,1 @@
-"""A real Kubernetes control plane and a test node agent for end-to-end tests (see cluster.py)."""
+"""A real Kubernetes control plane and a real node (kubelet, containerd) for end-to-end tests (see cluster.py)."""

@@ -1,5 +1,5 @@
-"""A whole test cluster: the real control plane plus one node, real (a kubelet with containerd: real_node.py)
-or run by the test node agent.
+"""A whole test cluster: the real control plane plus one real node (a kubelet with containerd running the
+images of docker/: real_node.py).
 
     python -m tests.k8s.cluster [--work-dir DIR] [--bridge NAME --pod-cidr CIDR]     (make cluster)
 
@@ -11,6 +11,7 @@ namespace or mount behind. Tests use the session fixture `k8s_cluster` (fixtures
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -20,17 +21,17 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 import kubernetes
 
+from tests.k8s import process
 from tests.k8s.controlplane import ControlPlane
 from tests.k8s.kube import Kube
-from tests.k8s.node_agent import REPO, NodeAgent
-from tests.k8s.pod_network import PodNetwork
-from tests.k8s.real_node import RealNode, product_images
+from tests.k8s.real_node import REPO, RealNode, product_images
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +53,13 @@ def build_tools() -> Path:
 
 
 class Cluster:
-    def __init__(self, work_dir: Path, bin_dir: Path, network: PodNetwork | None = None,
-                 entrypoints: dict[str, list[str]] | None = None, real_node: RealNode | None = None) -> None:
-        """With `real_node` (whose control plane this cluster's becomes), that node alone, untainted: no
-        node agent and no `network`. Without, the node agent's node (the suite's session cluster, which
-        adds a real node beside it: fixtures.py)."""
+    def __init__(self, work_dir: Path, bin_dir: Path, real_node: RealNode) -> None:
+        """The control plane and `real_node` (whose control plane this cluster's becomes), its only node."""
         self.work_dir = work_dir
         self.bin_dir = bin_dir
         self.real_node = real_node
-        self.network = network or PodNetwork()
-        advertise = real_node.gateway if real_node else self.network.host_ip
-        self.control_plane = ControlPlane(work_dir / "control-plane", bin_dir, advertise_address=advertise)
-        if real_node:
-            real_node.control_plane = self.control_plane
-        self.entrypoints = entrypoints
-        self.agent: NodeAgent | None = None
+        self.control_plane = ControlPlane(work_dir / "control-plane", bin_dir, advertise_address=real_node.gateway)
+        real_node.control_plane = self.control_plane
         self.api: kubernetes.client.ApiClient | None = None
         self.startup_s = 0.0
 
@@ -88,16 +81,10 @@ class Cluster:
     def start(self) -> Cluster:
         began = time.monotonic()
         try:
-            if self.real_node:
-                self.real_node.prepare_network()
+            self.real_node.prepare_network()
             self.control_plane.start()
             self.api = self.control_plane.api_client()
-            if self.real_node:
-                self.real_node.start()
-            else:
-                self.agent = NodeAgent(self.api, self.work_dir / "node", network=self.network,
-                                       entrypoints=self.entrypoints).start()
-                self.agent.wait_ready()
+            self.real_node.start()
         except BaseException:
             self.stop()
             raise
@@ -106,18 +93,19 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        if self.agent is not None:
-            self.agent.stop()
-            self.agent = None
-        if self.real_node:
-            self.real_node.stop()
+        self.real_node.stop()
         self.control_plane.stop()
         if self.api is not None:
             self.api.close()
             self.api = None
 
     def leftovers(self) -> list[str]:
-        return self.real_node.leftovers() if self.real_node else self.network.leftovers()
+        return self.real_node.leftovers()
+
+    @property
+    def host_ip(self) -> str:
+        """The host's address on the pod network: pods reach the host there."""
+        return self.real_node.gateway
 
     def kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
         return self.control_plane.kubectl(*args, input=input)
@@ -139,14 +127,23 @@ class Cluster:
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         return self.kube.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
 
-    def pod_log(self, namespace: str, name: str) -> str:
-        assert self.agent is not None
-        return self.agent.pod_log(namespace, name)
 
-    def pod_output(self, namespace: str, name: str) -> list[str]:
-        """The lines the pod's containers printed, without the agent's headers: those quote each
-        container's command, so a test looking for what a script prints must not search them."""
-        return [line for line in self.pod_log(namespace, name).splitlines() if not line.startswith(("==> ", "--- "))]
+
+@contextlib.contextmanager
+def port_forward(env: Mapping[str, str], namespace: str, target: str, port: int) -> Iterator[str]:
+    """`kubectl port-forward -n namespace target LOCAL:port` (env: KUBECONFIG and PATH), as a user runs it
+    from the host; yields http://127.0.0.1:LOCAL once kubectl says it is forwarding."""
+    local = process.free_port()
+    proc = subprocess.Popen(["kubectl", "port-forward", "-n", namespace, target, f"{local}:{port}"], env=dict(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # "Forwarding from 127.0.0.1:LOCAL -> port", or why not
+        assert first.startswith("Forwarding from"), f"kubectl port-forward {target}: {first}{proc.stdout.read()}"
+        yield f"http://127.0.0.1:{local}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def eventually(predicate: Any, timeout_s: float, message: str, interval_s: float = 0.25) -> Any:
@@ -167,9 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bridge", default="tandem0",
                         help="the pod network's bridge (default tandem0, the test suite's: one cluster per bridge)")
     parser.add_argument("--pod-cidr", default="10.244.0.0/24", help="pod addresses (default 10.244.0.0/24)")
-    parser.add_argument("--node", choices=("real", "agent"), default="real",
-                        help="real: a kubelet with containerd running the images of docker/ (default); "
-                             "agent: the test node agent, which runs pod commands from .venv")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = preflight()
@@ -190,27 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        if args.node == "real":
-            node = RealNode(work_dir / "node", bin_dir, None, name="tandem-node-0", bridge=args.bridge,
-                            pod_cidr=args.pod_cidr, images=product_images(), tainted=False)
-            cluster = Cluster(work_dir, bin_dir, real_node=node).start()
-        else:
-            cluster = Cluster(work_dir, bin_dir, PodNetwork(args.bridge, args.pod_cidr)).start()
+        node = RealNode(work_dir / "node", bin_dir, None, name="tandem-node-0", bridge=args.bridge,
+                        pod_cidr=args.pod_cidr, images=product_images())
+        cluster = Cluster(work_dir, bin_dir, node).start()
     except KeyboardInterrupt:
         logger.info("[shutdown] interrupted during startup; logs in %s", work_dir)
         return 130
     # Started above: `with cluster:` would start it a second time (its __enter__ starts), in the same
-    # work dir, with new certificates the first node agent does not trust.
+    # work dir, with new certificates the running kubelet does not trust.
     try:
         signal.signal(signal.SIGINT, finish)
         signal.signal(signal.SIGTERM, finish)
         print(f"export KUBECONFIG={cluster.kubeconfig}")
         print(f"export PATH={bin_dir}:$PATH")
-        if cluster.real_node:
-            sock = cluster.real_node.socket
-            print(f"# images rebuilt by `make images` load at the next start, or now with:\n"
-                  f"#   buildah push IMAGE docker-archive:/tmp/i.tar:IMAGE && "
-                  f"ctr --address {sock} -n k8s.io images import /tmp/i.tar")
+        print(f"# images rebuilt by `make images` load at the next start, or now with:\n"
+              f"#   buildah push IMAGE docker-archive:/tmp/i.tar:IMAGE && "
+              f"ctr --address {cluster.real_node.socket} -n k8s.io images import /tmp/i.tar")
         print(end="", flush=True)
         while not done.wait(1.0):
             pass

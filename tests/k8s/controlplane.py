@@ -4,7 +4,7 @@ The binaries come from hack/build-tools.sh (built from source). Everything lives
 certificates (pki/), etcd's data, one kubeconfig, and one log file per component, whose paths are printed
 when something fails to start. The flags follow controller-runtime's envtest, plus the controller-manager
 and scheduler, so Deployments, ReplicaSets, EndpointSlices, ServiceAccounts and garbage collection behave
-as in a real cluster. There is no kubelet: tests.k8s.node_agent plays that part.
+as in a real cluster. The kubelet is the real node's (real_node.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ without running anything.
 Tests of the operator's reconcile loop need real Deployments, ReplicaSets and pods whose readiness moves,
 but not engines: their InferenceServices put every pod on this node (`FAKE_NODE_POD_TEMPLATE`). The node
 carries a NoSchedule taint, so a pod that does not ask for it (every pod of the serving tests) never lands
-there and always runs on the test node agent.
+there and always runs on the real node.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 CNI_BIN = Path("/usr/lib/cni")
 CLUSTER_DNS = str(ipaddress.ip_network(SERVICE_CIDR)[10])  # 10.96.0.10, as kubeadm picks it
-REAL_NODE_TAINT = "tandem.dev/real-node"  # while the agent's node serves the other tests: pods opt in
 NAMESPACE = "k8s.io"  # containerd's namespace for CRI
 IMAGE_ID_LABEL = "dev.tandem.image-id"  # on an image's name in containerd: the buildah image it was copied from
 
@@ -66,7 +65,7 @@ def product_images() -> list[str]:
 class RealNode:
     def __init__(self, work_dir: Path, bin_dir: Path, control_plane: ControlPlane | None, name: str = "tandem-node-1",
                  bridge: str = "tandemk0", pod_cidr: str = "10.244.64.0/24", images: Sequence[str] = (),
-                 tainted: bool = True, cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None) -> None:
         """`images`: besides the node's own (pause, CoreDNS), what containerd must hold before pods start."""
         self.work_dir = work_dir
         self.bin_dir = bin_dir
@@ -75,7 +74,6 @@ class RealNode:
         self.bridge = bridge
         self.pod_cidr = pod_cidr
         self.images = list(images)
-        self.tainted = tainted
         # containerd's content and snapshots outlive the cluster: an image is imported once per version. One
         # store for every real node (the suite's, make cluster's): two cannot run at once (containerd locks it).
         self.store = (cache_dir or Path.home() / ".cache" / "tandem" / "node") / "containerd"
@@ -248,7 +246,6 @@ class RealNode:
             # The disk is shared with everything else on this machine: evict for memory only.
             "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
             "imageGCHighThresholdPercent": 100, "serializeImagePulls": False,
-            "registerWithTaints": [{"key": REAL_NODE_TAINT, "effect": "NoSchedule"}] if self.tainted else [],
             "shutdownGracePeriod": "0s",
         }
         (kdir / "config.yaml").write_text(json.dumps(config))
@@ -436,7 +433,6 @@ def coredns_manifest(image: str, node: str) -> dict[str, object]:
              "spec": {
                  "serviceAccountName": "coredns", "dnsPolicy": "Default", "nodeSelector": {
                      "kubernetes.io/hostname": node},
-                 "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
                  "containers": [{
                      "name": "coredns", "image": image, "imagePullPolicy": "Never",
                      "args": ["-conf", "/etc/coredns/Corefile"],

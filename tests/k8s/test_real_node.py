@@ -4,6 +4,7 @@ user types against them works (`kubectl logs`, `exec`, `port-forward`, a Service
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from typing import Any
@@ -11,8 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.k8s.cluster import Cluster
-from tests.k8s.real_node import REAL_NODE_TAINT, RealNode
+from tests.k8s.cluster import Cluster, port_forward
 
 pytestmark = pytest.mark.k8s
 
@@ -21,12 +21,10 @@ WORKER = "ghcr.io/tandem-dev/tandem-worker:0.1.0"
 
 def engine_pod(name: str) -> dict[str, Any]:
     """An engine as the operator's pods run it: the worker image's own entrypoint, as UID 10001 on a
-    read-only root with /tmp and /dev/shm as emptyDirs, on the real node."""
+    read-only root with /tmp and /dev/shm as emptyDirs."""
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
         "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": "tandem-node-1"},
-            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
             "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
                 "name": "engine", "image": WORKER, "imagePullPolicy": "Never",
@@ -58,8 +56,7 @@ def wait_ready(cluster: Cluster, ns: str, pod: str, timeout_s: float = 300) -> N
     raise AssertionError(f"pod {pod} not Ready in {timeout_s:.0f} s\n{described}\n{logs}")
 
 
-def test_an_engine_from_the_worker_image_runs_as_10001_on_a_read_only_root(
-        k8s_cluster: Cluster, k8s_real_node: RealNode) -> None:
+def test_an_engine_from_the_worker_image_runs_as_10001_on_a_read_only_root(k8s_cluster: Cluster) -> None:
     ns = k8s_cluster.create_namespace("real-node-engine")
     k8s_cluster.apply(ns, engine_pod("engine"))
     k8s_cluster.apply(ns, {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "engine"},
@@ -90,22 +87,10 @@ def test_an_engine_from_the_worker_image_runs_as_10001_on_a_read_only_root(
                     "headers={'content-type': 'application/json'}), timeout=60); "
                     "print(json.load(r)['choices'][0]['message']['content'])")
     assert via_dns.returncode == 0 and via_dns.stdout.strip(), via_dns
-    forward = subprocess.Popen([str(k8s_cluster.bin_dir / "kubectl"), f"--kubeconfig={k8s_cluster.kubeconfig}",
-                                "port-forward", "-n", ns, "svc/engine", "18765:80"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                resp = httpx.post("http://127.0.0.1:18765/v1/chat/completions", json=chat, timeout=60)
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        assert resp.status_code == 200
-        assert resp.json()["choices"][0]["message"]["content"] == via_dns.stdout.strip()
-    finally:
-        forward.terminate()
-        forward.wait(10)
+    kube_env = {**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig),
+                "PATH": f"{k8s_cluster.bin_dir}:{os.environ['PATH']}"}
+    with port_forward(kube_env, ns, "svc/engine", 80) as url:
+        resp = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    assert resp.status_code == 200
+    assert resp.json()["choices"][0]["message"]["content"] == via_dns.stdout.strip()
     k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -21,17 +20,13 @@ LABEL_ROLE = "serving.tandem.dev/role"
 # Long enough (> the router's 32-token remote-prefill threshold) that the router sends it prefill -> decode.
 MESSAGES = [{"role": "system", "content": "You are a patient art teacher who answers in short lists. " * 4},
             {"role": "user", "content": "Name three colours."}]
+SUBJECTS = ("art", "music", "history", "cooking")
 
 
-def dockerfile_entrypoints() -> dict[str, list[str]]:
-    """Image repository -> ENTRYPOINT, read from docker/*.Dockerfile: what a container runtime would run
-    for a container that sets no `command` (the chart's operator container)."""
-    out = {}
-    for path in (REPO / "docker").glob("*.Dockerfile"):
-        m = re.search(r"^ENTRYPOINT (\[.*\])$", path.read_text(), re.M)
-        if m:
-            out[f"ghcr.io/tandem-dev/tandem-{path.name.split('.')[0]}"] = json.loads(m.group(1))
-    return out
+def messages(variant: int = 0) -> list[dict[str, str]]:
+    """MESSAGES (variant 0), or the same chat for another subject's teacher: a prompt that shares no block
+    with the others, so a decode engine that served one holds none of another's KV blocks."""
+    return [{**MESSAGES[0], "content": MESSAGES[0]["content"].replace("art", SUBJECTS[variant])}, MESSAGES[1]]
 
 
 class Env:
@@ -72,12 +67,12 @@ class Env:
         return f"http://{pod['status']['podIP']}:{port}"
 
     def logs(self, ns: str) -> str:
-        agent = self.cluster.agent
-        if agent is None:
-            return ""
+        """The last lines each pod of `ns` printed (`kubectl logs`; of the previous run after a restart)."""
         out = []
         for p in self.get("pods", "-n", ns)["items"]:
-            out.append(f"--- {p['metadata']['name']}\n{self.cluster.pod_log(ns, p['metadata']['name'])[-3000:]}")
+            name = p["metadata"]["name"]
+            text = self.kubectl("logs", name, "-n", ns, "--all-containers", "--tail=60").stdout
+            out.append(f"--- {name}\n{text}")
         return "\n".join(out)
 
 
@@ -87,16 +82,17 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 
-def chat_usage(url: str, max_tokens: int = 12) -> tuple[str, int]:
-    """The greedy answer to MESSAGES and its prompt's token count."""
+def chat_usage(url: str, max_tokens: int = 12, variant: int = 0) -> tuple[str, int]:
+    """The greedy answer to `messages(variant)` and its prompt's token count."""
     r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": "smollm2-135m-instruct", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0})
+        "model": "smollm2-135m-instruct", "messages": messages(variant), "max_tokens": max_tokens,
+        "temperature": 0})
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"]), int(r.json()["usage"]["prompt_tokens"])
 
 
-def chat(url: str, max_tokens: int = 12) -> str:
-    return chat_usage(url, max_tokens)[0]
+def chat(url: str, max_tokens: int = 12, variant: int = 0) -> str:
+    return chat_usage(url, max_tokens, variant)[0]
 
 
 def blocks_read(prompt_tokens: int, block_size: int = 16) -> int:

@@ -89,7 +89,7 @@ def test_selector_parsing_and_matching() -> None:
 
 @pytest.mark.k8s
 async def test_endpointslices_are_watched_with_readiness(cluster: Cluster, upstream, router) -> None:
-    host = cluster.network.host_ip
+    host = cluster.host_ip
     slices = Slices(cluster)
     a = await upstream(name="a", host=host)
     b = await upstream(name="b", host=host)
