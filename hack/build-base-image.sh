@@ -6,6 +6,7 @@
 #
 #   hack/build-base-image.sh            build unless the image exists; print its name
 #   hack/build-base-image.sh --print    print its name (exit 1 if it is missing)
+#   hack/build-base-image.sh --rebuild  build it again even if it exists (bench/k8s_containers.py times it)
 #
 # Same Python minor as the default base (Debian bookworm: 3.11), so the wheels `make setup` resolves are
 # the ones the images install. The image is keyed on this script's text: a changed script builds anew.
@@ -23,10 +24,11 @@ if [[ "${1:-}" == "--print" ]]; then
   echo "$image"
   exit 0
 fi
-if exists; then
+if exists && [[ "${1:-}" != "--rebuild" ]]; then
   echo "$image"
   exit 0
 fi
+previous=$(buildah inspect --type image --format '{{.FromImageID}}' "$image" 2>/dev/null || true)
 
 [[ $(id -u) -eq 0 ]] || { echo "build-base-image.sh: run as root (mmdebstrap, buildah)" >&2; exit 1; }
 for tool in mmdebstrap buildah runc; do
@@ -54,5 +56,6 @@ buildah config --env PATH=/opt/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sb
   --env LANG=C.UTF-8 --cmd python3 --label dev.tandem.base-script="$key" "$ctr"
 buildah commit --quiet --rm "$ctr" "$image" >/dev/null
 trap 'rm -rf "$work"' EXIT
-echo "[images] base done in $((SECONDS - start)) s" >&2
+echo "[images] base $image built in $((SECONDS - start)) s" >&2
+[[ -n "$previous" ]] && buildah rmi "$previous" >/dev/null 2>&1 || true  # the version a rebuild replaced
 echo "$image"

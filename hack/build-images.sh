@@ -5,6 +5,7 @@
 #
 #   hack/build-images.sh            build what is missing or out of date; print the image names
 #   hack/build-images.sh --print    print the image names (exit 1 if one is missing or out of date)
+#   hack/build-images.sh --rebuild  build the base and every image again, every step (no build cache)
 #
 # An image is keyed on the text of every file its build reads (its Dockerfile, the sources it copies,
 # the base): a second run with nothing changed builds nothing. Wheels come from $WHEELS (what `make setup`
@@ -23,8 +24,9 @@ declare -A tags=([worker]=ghcr.io/tandem-dev/tandem-worker:$VERSION [operator]=g
 declare -A inputs=([worker]="pyproject.toml README.md workers operator" [operator]="operator")
 order=(${TANDEM_IMAGES:-operator worker})
 
+mode=${1:-}
 cd "$REPO"
-base=$(hack/build-base-image.sh "${1:-}") || { echo "build-images.sh: the base image is missing" >&2; exit 1; }
+base=$(hack/build-base-image.sh "$mode") || { echo "build-images.sh: the base image is missing" >&2; exit 1; }
 
 key_of() {  # the content key of image $1: its Dockerfile, its inputs (tracked or not, unless ignored), the base
   local name=$1
@@ -33,11 +35,12 @@ key_of() {  # the content key of image $1: its Dockerfile, its inputs (tracked o
       | sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16
 }
 current() {  # whether the image tagged for $1 was built from key $2
+  [[ "$mode" != "--rebuild" ]] || return 1
   [[ "$(buildah inspect --type image --format '{{index .ImageAnnotations "dev.tandem.source"}}' "${tags[$1]}" \
         2>/dev/null)" == "$2" ]]
 }
 
-if [[ "${1:-}" == "--print" ]]; then
+if [[ "$mode" == "--print" ]]; then
   for name in "${order[@]}"; do
     current "$name" "$(key_of "$name")" || exit 1
     echo "${tags[$name]}"
@@ -65,7 +68,8 @@ for name in "${order[@]}"; do
   start=$SECONDS
   previous=$(buildah inspect --type image --format '{{.FromImageID}}' "${tags[$name]}" 2>/dev/null || true)
   echo "[images] ${tags[$name]} <- ${dockerfiles[$name]} on $base" >&2
-  buildah bud --runtime runc --layers --quiet \
+  # shellcheck disable=SC2046
+  buildah bud --runtime runc --layers --quiet $([[ "$mode" == "--rebuild" ]] && echo --no-cache) \
     --build-arg BASE_IMAGE="$base" --build-arg PIP_FIND_LINKS=/wheels -v "$WHEELS:/wheels:ro" "${mounts[@]}" \
     --annotation dev.tandem.source="$key" -f "${dockerfiles[$name]}" -t "${tags[$name]}" . >&2
   echo "[images] ${tags[$name]} built in $((SECONDS - start)) s" >&2
@@ -74,5 +78,10 @@ for name in "${order[@]}"; do
   if [[ -n "$previous" && "$previous" != "$(buildah inspect --type image --format '{{.FromImageID}}' "${tags[$name]}")" ]]; then
     buildah rmi "$previous" >/dev/null 2>&1 || true
   fi
+  # Nameless images: the worker's `cache` stage of this and earlier builds (GBs each; the next rebuild redoes
+  # that stage, a minute), and bases an edited build-base-image.sh replaced.
+  buildah rmi --prune >/dev/null 2>&1 || true
+  buildah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/tandem-python:' | grep -vxF "$base" \
+    | xargs -r buildah rmi >/dev/null 2>&1 || true
   echo "${tags[$name]}"
 done
