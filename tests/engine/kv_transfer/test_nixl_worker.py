@@ -274,3 +274,17 @@ def test_engines_with_different_kv_cache_dtypes_refuse_to_pair(pair: Any) -> Non
     error = out.failed_recving["r"]
     assert "float32" in error and "bfloat16" in error and "--kv-cache-dtype" in error, error
     assert FakeNixl.agents["D-1"].posted == [] and torch.count_nonzero(d_pool) == 0
+
+
+def test_ucx_tcp_segments_default_to_1m_unless_the_user_set_one() -> None:
+    """Both of UCX's TCP segment sizes at 1 MiB (KV between pods over TCP at twice the rate of UCX's 8 KiB
+    default); a user's value of either is kept and the other not forced (UCX refuses a receive segment
+    below the send segment, so setting one alone could break a user's own pair)."""
+    from tandem_engine.kv_transfer.nixl_wrapper import ucx_defaults
+
+    env: dict[str, str] = {"UCX_TLS": "tcp"}
+    ucx_defaults(env)
+    assert env == {"UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+    mine = {"UCX_TCP_RX_SEG_SIZE": "4m"}
+    ucx_defaults(mine)
+    assert mine == {"UCX_TCP_RX_SEG_SIZE": "4m"}

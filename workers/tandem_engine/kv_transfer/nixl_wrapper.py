@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,20 @@ def _api() -> Any:
         return importlib.import_module("nixl._api")
     except ImportError:
         return importlib.import_module("nixl_cu12._api")
+
+
+# UCX's TCP transport moves an RMA read in segments of UCX_TCP_TX_SEG_SIZE (8 KiB by default): KV blocks
+# between pods that only have TCP then crossed at 0.76 GB/s, half of what one TCP stream carries between the
+# same two pods (bench/results/k8s_containers.md); 1 MiB segments carry them at about a TCP stream's rate.
+# UCX refuses a receive segment smaller than the send segment, so both are set, and only if neither is.
+UCX_TCP_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+
+
+def ucx_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
+    """UCX settings the engine changes from UCX's defaults, unless the user set them (UCX reads its
+    environment when the backend is created)."""
+    if not any(k in environ for k in UCX_TCP_SEGMENTS):
+        environ.update(UCX_TCP_SEGMENTS)
 
 
 class NixlWrapper:
@@ -45,6 +61,7 @@ class NixlWrapper:
         cfg.useProgThread, cfg.useListenThread, cfg.syncMode = True, False, sync.value
         cfg.pthrDelay, cfg.captureTelemetry = progress_ms * 1000, False
         self._agent.agent = api.nixlBind.nixlAgent(name, cfg)
+        ucx_defaults()
         self._agent.create_backend("UCX", {"num_threads": str(num_threads)} if num_threads > 0 else {})
         self._regs: list[Any] = []
 
