@@ -9,16 +9,17 @@
 # the ones `make setup` downloaded), so nothing is downloaded twice.
 # The embedded model's cache and the CPU attention kernel are built into the image (the `cache` stage),
 # so a pod starts warm from a read-only /opt/tandem/cache (docs/operations.md, "Start-up and the model
-# cache"). The kernel is built for CPU_KERNEL_MARCH, not for the build machine's CPU: x86-64-v3 (AVX2)
-# runs on the nodes of the last decade; on other nodes the engine uses its torch attention path. For an
-# arm64 image pass --build-arg CPU_KERNEL_MARCH=armv8-a.
+# cache"). The kernels are built for the ISA levels CPU_KERNEL_MARCH lists, not for the build machine's CPU:
+# x86-64-v4 (AVX-512) for the nodes that have it, x86-64-v3 (AVX2) for the nodes of the last decade; an
+# engine uses the first its node's CPU has (on others, its torch paths). For an arm64 image pass
+# --build-arg CPU_KERNEL_MARCH=armv8-a.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE} AS base
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
 ARG PIP_FIND_LINKS=
-ARG CPU_KERNEL_MARCH=x86-64-v3
+ARG CPU_KERNEL_MARCH=x86-64-v4,x86-64-v3
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

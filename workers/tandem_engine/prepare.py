@@ -1,7 +1,8 @@
 """Build what an engine would otherwise build at its first start: the model cache of a GGUF model and the
 CPU kernels (attention, fused norm and activation, the fused decode step and its float32 panel matmul, and
-`--quantization gguf`'s matmul), into a cache directory. The worker image runs it at build time so that pods start
-warm from a read-only cache (docs/operations.md, "Start-up and the model cache"):
+`--quantization gguf`'s matmul), into a cache directory: for this CPU, or for every ISA level
+`TANDEM_CPU_KERNEL_MARCH` lists (`x86-64-v4,x86-64-v3` in the image). The worker image runs it at build
+time so that pods start warm from a read-only cache (docs/operations.md, "Start-up and the model cache"):
 
     python -m tandem_engine.prepare --model smollm2-135m-instruct --cache-dir /opt/tandem/cache
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     under `cache_dir`. Returns the model's
     safetensors directory. Raises RuntimeError if a kernel cannot be built."""
     from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.kernels.build import compile_for_level, kernel_levels, kernel_march, recording
     from tandem_engine.kernels.fused import load_fused_ops
     from tandem_engine.models.amx_matmul import build_amx_kernel
     from tandem_engine.models.dense_matmul import load_dense_kernel
@@ -37,12 +40,23 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     t0 = time.perf_counter()
     d = weights_dir(resolve_model(model, cache_dir))
     if kernel:
-        load_gguf_kernel(cache_dir)  # RuntimeError naming the flag if it cannot be built
-        if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
-                or load_decode_kernel(cache_dir) is None or load_dense_kernel(cache_dir) is None:
-            raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
-        if platform.machine() in ("x86_64", "AMD64"):  # for nodes with AMX; a compiler without it only warns
-            build_amx_kernel(cache_dir)
+        with recording() as built:
+            load_gguf_kernel(cache_dir)  # RuntimeError naming the flag if it cannot be built
+            if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
+                    or load_decode_kernel(cache_dir) is None or load_dense_kernel(cache_dir) is None:
+                raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
+            if platform.machine() in ("x86_64", "AMD64"):  # for nodes with AMX; a compiler without it only warns
+                build_amx_kernel(cache_dir)
+        # The other ISA levels TANDEM_CPU_KERNEL_MARCH lists (an image's: x86-64-v4 for AVX-512 nodes), compiled
+        # for the nodes that have them; this machine may not.
+        for level in kernel_levels():
+            if level != kernel_march():
+                for name, source, flags in built:
+                    try:
+                        compile_for_level(name, source, flags, level, cache_dir)
+                    except (OSError, subprocess.SubprocessError) as e:
+                        raise RuntimeError(f"the {name} kernel could not be built for {level}: {e}") from e
+                logger.info("[startup] CPU kernels compiled for %s too", level)
     logger.info("[startup] prepared %s in %s in %.1fs", model, d, time.perf_counter() - t0)
     return d
 

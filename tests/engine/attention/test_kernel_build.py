@@ -70,11 +70,12 @@ def test_avx512_build_computes_the_avx2_builds_floats(query_lens: list[int], seq
     assert torch.equal(outs[0], outs[1])
 
 
-# The ISA levels and tunings the kernel meets: the image's level, AVX-512 tuned for 256-bit vectors (the
+# The ISA levels and tunings the kernel meets: the image's levels, AVX-512 tuned for 256-bit vectors (the
 # Xeons GCC knows), for 512-bit ones (AMD's Zen 4 and the generic tuning GCC gives a Xeon it does not know by
 # name: -march=native resolved so on one with AVX-512-FP16 and AMX), and that Xeon's own flags.
 TARGETS = {
     "x86-64-v3": ("-march=x86-64-v3",),
+    "x86-64-v4": ("-march=x86-64-v4",),  # the image's build for AVX-512 nodes
     "sapphirerapids": ("-march=sapphirerapids",),
     "avx512-wide": ("-march=skylake-avx512", "-mtune=generic", "-mprefer-vector-width=512"),
     "cooperlake-fp16-amx": ("-march=cooperlake", "-mavx512fp16", "-mavx512bf16", "-mamx-tile", "-mamx-int8",
@@ -155,3 +156,41 @@ def test_a_shared_header_is_built_with_the_source_and_keys_its_build(tmp_path: P
     monkeypatch.setattr(build, "local_headers", lambda src: {n: t + "\n/* changed */\n" for n, t in real.items()})
     build.build_library("exp_check", source, build.base_flags(), tmp_path)
     assert len(list((tmp_path / "kernels").glob("exp_check_*.so"))) == 2
+
+
+V3_FLAGS = {"avx2", "fma", "bmi2", "f16c", "movbe"}
+V4_FLAGS = V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not _has(*V3_FLAGS), reason="needs an x86-64-v3 CPU")
+def test_an_image_listing_two_levels_holds_kernels_for_each_and_every_node_finds_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image's TANDEM_CPU_KERNEL_MARCH=x86-64-v4,x86-64-v3: its build (prepare.py, on whatever CPU builds
+    the image) compiles the kernels for both levels; a node uses the first level its CPU has and finds that
+    build under the key it looks for, with no compiler (the image has none). An AVX2-only node must never get
+    the AVX-512 build (SIGILL), an AVX-512 one not the slower AVX2 one (a third less decode rate)."""
+    monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v4,x86-64-v3")
+    def cpu(flags: set[str]) -> None:
+        monkeypatch.setattr(build, "cpu_id", lambda: "x86_64 flags : " + " ".join(sorted(flags)))
+
+    cpu(V3_FLAGS)  # the CPU that builds the image: AVX2
+    assert build.kernel_march() == "x86-64-v3"
+    source = _KERNEL_SRC
+    flags = (*build.base_flags(), *KERNEL_MATH_FLAGS)
+    with build.recording() as built:
+        build.build_library("paged_attention", source, flags, tmp_path)
+    assert [name for name, _, _ in built] == ["paged_attention"]
+    for name, src, fl in built:
+        assert build.compile_for_level(name, src, fl, "x86-64-v4", tmp_path) is not None
+    read_only(monkeypatch, tmp_path, tmp_path / "scratch")
+    image = tmp_path
+    monkeypatch.setenv("CC", "false")  # no compiler on the node
+    for flags_, level in ((V3_FLAGS, "x86-64-v3"), (V4_FLAGS, "x86-64-v4")):
+        cpu(flags_)
+        assert build.kernel_march() == level
+        lib = build.build_library("paged_attention", source, (*build.base_flags(), *KERNEL_MATH_FLAGS), image)
+        assert Path(lib._name).parent == image / "kernels", lib._name
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 2
+    cpu({"sse2"})
+    with pytest.raises(OSError, match="lacks"):
+        build.build_library("paged_attention", source, (*build.base_flags(), *KERNEL_MATH_FLAGS), image)

@@ -4,7 +4,10 @@ A kernel is built once per source text, compiler flags and CPU (-march=native co
 another CPU, as a shared home or a baked image would), cached as `<cache_dir>/kernels/<name>_<key>.so`;
 when `cache_dir` is read-only (a cache baked into an image) a missing kernel is built under
 config.build_dir's. `TANDEM_CPU_KERNEL_MARCH=x86-64-v3` builds for a named ISA level instead of this CPU
-(what an image's build does), keyed on the level and loaded only on a CPU with that level's features.
+(what an image's build does), keyed on the level and loaded only on a CPU with that level's features; a
+list (`x86-64-v4,x86-64-v3`, the image's) names levels in order of preference, and an engine uses the
+first its CPU has: `prepare.py` builds them all (`compile_for_level`: compiled, not loaded, for a level
+the building CPU may lack).
 Compiling and linking are separate steps so that a kernel compiled with -ffast-math is not linked with
 the start-up code that switches the loading thread to flush denormals to zero: loading a kernel never
 changes the numerics of torch's own ops. Kernels are threaded with OpenMP and need `libgomp.so.1`; torch
@@ -14,6 +17,7 @@ has already loaded its own copy under that name, so they run on torch's thread p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -22,23 +26,41 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tandem_engine.config import build_dir
 
 logger = logging.getLogger(__name__)
 
-# Build for a named ISA level (x86-64-v3) instead of this CPU, so that a kernel built into an image runs on
-# every node of that level (docs/operations.md, "Start-up and the model cache").
+# Build for named ISA levels (x86-64-v4,x86-64-v3) instead of this CPU, so that kernels built into an image
+# run on every node of those levels (docs/operations.md, "Start-up and the model cache").
 KERNEL_MARCH_ENV = "TANDEM_CPU_KERNEL_MARCH"
 # /proc/cpuinfo flags a level needs (a subset that tells the levels apart); other values are trusted.
-_MARCH_CPU_FLAGS = {"x86-64-v2": {"ssse3", "sse4_2", "popcnt"}, "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"}}
+_V3 = {"avx2", "fma", "bmi2", "f16c", "movbe"}
+_MARCH_CPU_FLAGS = {"x86-64-v2": {"ssse3", "sse4_2", "popcnt"}, "x86-64-v3": _V3,
+                    "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
+
+
+def kernel_levels() -> list[str]:
+    """The ISA levels `TANDEM_CPU_KERNEL_MARCH` names, in order of preference (empty: build for this CPU)."""
+    return [level.strip() for level in os.environ.get(KERNEL_MARCH_ENV, "").split(",") if level.strip()]
+
+
+def kernel_march() -> str:
+    """What kernels build for here: the first of `kernel_levels()` this CPU has (the last if it has none:
+    `build_library` then says what it lacks), or `native`."""
+    levels = kernel_levels()
+    if not levels:
+        return "native"
+    words = set(cpu_id().split())  # the flags (and the model name's words, which name no flag)
+    return next((level for level in levels if _MARCH_CPU_FLAGS.get(level, set()) <= words), levels[-1])
 
 
 def base_flags() -> tuple[str, ...]:
-    """Every kernel's compile flags start with these: optimised for this CPU (or the ISA level named by
+    """Every kernel's compile flags start with these: optimised for this CPU (or the ISA level picked from
     `TANDEM_CPU_KERNEL_MARCH`), threaded over rows with OpenMP."""
-    return ("-O3", f"-march={os.environ.get(KERNEL_MARCH_ENV) or 'native'}", "-fopenmp")
+    return ("-O3", f"-march={kernel_march()}", "-fopenmp")
 
 
 def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -71,14 +93,30 @@ def local_headers(source: str) -> dict[str, str]:
     return {name: (here / name).read_text() for name in _LOCAL_INCLUDE.findall(source)}
 
 
-def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
-    """Compile `source` (C) with `flags` into `<cache_dir>/kernels/<name>_<key>.so` unless that file
-    exists (or the build directory's, for a read-only `cache_dir`), and load it. Raises OSError or
-    subprocess.SubprocessError without a compiler, on a failed build, or for an ISA level this CPU lacks."""
-    march = next((f.removeprefix("-march=") for f in flags if f.startswith("-march=")), "native")
-    missing = _MARCH_CPU_FLAGS.get(march, set()) - set(cpu_id().split())
-    if missing:
-        raise OSError(f"this CPU lacks {' '.join(sorted(missing))} for -march={march}")
+# (name, source, flags) of every build_library call while `recording()` is active (prepare.py).
+_recorded: list[tuple[str, str, tuple[str, ...]]] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, str, tuple[str, ...]]]]:
+    """Collects the (name, source, flags) of each kernel built inside the block: prepare.py builds the
+    kernels this CPU's level loads, then compiles the same for the image's other levels."""
+    global _recorded
+    _recorded = []
+    try:
+        yield _recorded
+    finally:
+        _recorded = None
+
+
+def _march(flags: tuple[str, ...]) -> str:
+    return next((f.removeprefix("-march=") for f in flags if f.startswith("-march=")), "native")
+
+
+def _compile(name: str, source: str, flags: tuple[str, ...], cache_dir: Path) -> Path:
+    """The shared object of `source` built with `flags`: compiled into `<cache_dir>/kernels/<name>_<key>.so`
+    (or the build directory's, for a read-only `cache_dir`) unless it is there already."""
+    march = _march(flags)
     # -march=native code is keyed on this CPU; a named level on the level.
     ident = cpu_id() if march == "native" else march
     headers = local_headers(source)
@@ -98,7 +136,29 @@ def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Pat
                         [cc, "-shared", "-fopenmp", str(obj), "-o", f"{tmp}/k.so", "-lm"]):
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             os.replace(f"{tmp}/k.so", so)  # atomic: concurrent builders race harmlessly
-    return ctypes.CDLL(str(so))
+    return so
+
+
+def build_library(name: str, source: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
+    """Compile `source` (C) with `flags` into `<cache_dir>/kernels/<name>_<key>.so` unless that file
+    exists (or the build directory's, for a read-only `cache_dir`), and load it. Raises OSError or
+    subprocess.SubprocessError without a compiler, on a failed build, or for an ISA level this CPU lacks."""
+    missing = _MARCH_CPU_FLAGS.get(_march(flags), set()) - set(cpu_id().split())
+    if missing:
+        raise OSError(f"this CPU lacks {' '.join(sorted(missing))} for -march={_march(flags)}")
+    if _recorded is not None:
+        _recorded.append((name, source, flags))
+    return ctypes.CDLL(str(_compile(name, source, flags, cache_dir)))
+
+
+def compile_for_level(name: str, source: str, flags: tuple[str, ...], level: str, cache_dir: Path) -> Path | None:
+    """Compile (never load: this CPU may lack the level) what `build_library(name, source, flags)` built,
+    for ISA level `level` instead of the one in `flags`, under the key an engine on such a CPU looks for.
+    None for a build not made for a named level (a portable one)."""
+    if _march(flags) not in _MARCH_CPU_FLAGS:
+        return None
+    return _compile(name, source, tuple(f"-march={level}" if f.startswith("-march=") else f for f in flags),
+                    cache_dir)
 
 
 def address(lib: ctypes.CDLL, name: str) -> int:
