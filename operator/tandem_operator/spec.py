@@ -119,6 +119,7 @@ class RouterSpec:
     port: int
     resources: dict[str, Any]
     pod_template: dict[str, Any]
+    auth_secret: tuple[str, str] | None = None  # (Secret name, key) holding the router's API key
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,10 @@ def _role(r: _Reader, raw: dict[str, Any], p: str, enabled_default: bool) -> Rol
 
 def _router(r: _Reader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
     p = "spec.router"
+    auth = r.section(raw, "auth", p)
+    secret = r.string(auth, "secretName", f"{p}.auth", None) if auth else None
+    if auth and not secret:
+        r.problems.append(f"{p}.auth.secretName: required")
     return RouterSpec(
         replicas=r.required_int(raw, "replicas", p, 1, minimum=0, maximum=100),
         image=r.string(raw, "image", p, None) or engine_image,
@@ -385,4 +390,5 @@ def _router(r: _Reader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
         port=r.required_int(raw, "port", p, 8000, minimum=1024, maximum=65535),
         resources=_quantities(r.mapping(raw, "resources", p)),
         pod_template=r.mapping(raw, "podTemplate", p),
+        auth_secret=(secret, r.string(auth, "secretKey", f"{p}.auth", "api-key") or "api-key") if secret else None,
     )

@@ -280,6 +280,18 @@ def build_engine_deployment(spec: InferenceServiceSpec, role: Component, config_
     return _deployment(spec, role, role_spec, pod, progress_deadline=role_spec.startup_seconds + 600)
 
 
+API_KEY_ENV = "TANDEM_API_KEY"  # what `tandem route` reads its --api-key from (tandem_router/cli.py)
+
+
+def _api_key_env(r: RouterSpec) -> list[dict[str, Any]]:
+    """`TANDEM_API_KEY` from the Secret `spec.router.auth` names (the kubelet reads it: the operator never
+    does, and its RBAC grants no Secret access)."""
+    if r.auth_secret is None:
+        return []
+    name, key = r.auth_secret
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]
+
+
 def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
     r = spec.router
     container = _server_container(
@@ -288,7 +300,7 @@ def build_router_deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
         r.image,
         router_command(spec),
         ports=[{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
-        env=[{"name": "HOME", "value": "/tmp"}],
+        env=[{"name": "HOME", "value": "/tmp"}, *_api_key_env(r)],
         mounts=[{"name": "tmp", "mountPath": "/tmp"}],
         startup_probe=http_probe("http", period=2, failures=60),
         liveness_failures=3,

@@ -186,6 +186,7 @@ INVALID = {
     "negative replicas": ({"spec.decode.replicas": -1}, "decode.replicas"),
     "replicas not a number": ({"spec.router.replicas": "two"}, "router.replicas"),
     "unknown policy": ({"spec.router.policy": "Random"}, "policy"),
+    "router auth without a secret": ({"spec.router.auth": {"secretKey": "k"}}, "secretName"),
     "unknown connector": ({"spec.kvTransfer.connector": "Mooncake"}, "connector"),
     "block size": ({"spec.engine.blockSize": 17}, "blockSize"),
     "model uri": ({"spec.model.uri": "s3://bucket/model"}, "uri"),

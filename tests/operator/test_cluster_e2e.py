@@ -260,6 +260,37 @@ def test_disaggregated_example_serves_through_the_router(env: Env, reference: di
           *[ln for d in decodes for ln in ucx_transport(env, ns, d)][:12], sep="\n  ")
 
 
+def test_the_router_asks_for_an_api_key_once_router_auth_names_a_secret(env: Env) -> None:
+    """`router.auth.secretName`: the kubelet hands the router the Secret's key; a request without it gets
+    OpenAI's 401, with it an answer, and the probes' paths stay open. Removing `auth` opens the router again."""
+    ns, name = "pd", "smollm2-pd"
+    key = "sk-tandem-e2e"
+    env.ok("kubectl", "create", "secret", "generic", "router-keys", "-n", ns, f"--from-literal=api-key={key}")
+
+    def router_with_key(wanted: bool) -> dict[str, Any] | None:
+        pods = env.ready_pods(ns, name, "router")
+        keyed = [any(e["name"] == "TANDEM_API_KEY" for e in p["spec"]["containers"][0].get("env", [])) for p in pods]
+        return pods[0] if len(pods) == 1 and keyed == [wanted] else None
+
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"router": {"auth": {"secretName": "router-keys"}}}}))
+    router = eventually(lambda: router_with_key(True), 180, "the router never restarted with the key")
+    url = env.url(router)
+    body = {"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 2}
+    refused = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
+    wrong = httpx.post(url + "/v1/completions", json=body, timeout=60, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    ok = httpx.post(url + "/v1/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {key}"})
+    assert ok.status_code == 200, ok.text
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=json", "-p",
+           json.dumps([{"op": "remove", "path": "/spec/router/auth"}]))
+    router = eventually(lambda: router_with_key(False), 180, "the router never restarted without the key")
+    assert httpx.post(env.url(router) + "/v1/completions", json=body, timeout=120).status_code == 200
+
+
 OOM_LIMIT = "3Gi"
 # Run in an engine container by `kubectl exec`: children of 64 MiB each (written, so resident) until the
 # container's memory cgroup is full. The kernel's OOM killer then takes the largest process in it: the

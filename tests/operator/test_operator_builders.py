@@ -224,6 +224,24 @@ def test_router_command_lines() -> None:
     assert router_command(static)[-2:] == ["--discovery", "static"] and "--prefill" not in router_command(static)
 
 
+def test_router_auth_takes_the_key_from_the_secret_the_spec_names() -> None:
+    """`router.auth`: the router container gets TANDEM_API_KEY from the named Secret (key `api-key` by
+    default) through the kubelet, the variable `tandem route` reads its --api-key from; without it, no key."""
+    from tandem_router.cli import API_KEY_ENV
+
+    def env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+        (container,) = build_router_deployment(parse_spec(spec))["spec"]["template"]["spec"]["containers"]
+        return [e for e in container["env"] if e["name"] == API_KEY_ENV]
+
+    assert env(body()) == []
+    assert env(body(router={"auth": {"secretName": "keys"}})) == [
+        {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}}]
+    assert env(body(router={"auth": {"secretName": "keys", "secretKey": "k"}}))[0]["valueFrom"]["secretKeyRef"] == {
+        "name": "keys", "key": "k"}
+    with pytest.raises(SpecError, match="auth.secretName"):
+        parse_spec(body(router={"auth": {"secretKey": "k"}}))
+
+
 def test_model_sources() -> None:
     pvc = parse_spec(VARIANTS["pvc-overrides"])
     dep = build_engine_deployment(pvc, Component.DECODE, "h")
