@@ -70,7 +70,8 @@ class RouterMetrics:
         )
         self.migrations = counter(
             "tandem:router_migrations_total", ("reason",),
-            "Streams resumed on another engine after theirs broke: connection, error_event, timeout or eof",
+            "Streams resumed on another engine after theirs broke (connection, error_event, timeout, eof), or replayed "
+            "whole with local prefill after an error before their first token (replay)",
         )
         # Admission control (admission.py).
         self.queued = Gauge("tandem:router_queued_requests", "Requests waiting for an admission slot", registry=r)

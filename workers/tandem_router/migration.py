@@ -224,9 +224,11 @@ async def finish_locally(out: web.StreamResponse, state: StreamState, finish_rea
 
 async def relay_resumable(router: Router, request: web.Request, up: Upstream, req: ParsedRequest,
                           rreq: RoutingRequest, headers: dict[str, str], request_id: str,
-                          t_start: float) -> web.StreamResponse:
+                          t_start: float, replay: tuple[str, bytes] | None = None) -> web.StreamResponse:
     """Relay a streamed answer, resuming it on another engine when its engine breaks; closes every
-    upstream it opened."""
+    upstream it opened. `replay` (path, body): the request as a decode engine computes it whole, sent once
+    if an engine's answer errs before anything reached the client (a KV load from a prefill engine that
+    died after its answer): decode prefills it itself, and the client never sees the failure."""
     if up.resp.content_type != "text/event-stream":  # an error answer: relayed as is
         return await relay(router, request, up, request_id, t_start)
     metrics, cfg = router.metrics, router.config
@@ -235,7 +237,7 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
     out = web.StreamResponse(status=up.resp.status, headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **up.headers(request_id)})
     await out.prepare(request)
-    tried, resumed = {up.endpoint.url}, False
+    tried, resumed, replayed = {up.endpoint.url}, False, False
     # When the client last waited for a first chunk: the request's arrival, then each break.
     waiting: list[float] = [t_start]
 
@@ -257,6 +259,22 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
                 break
             metrics.upstream_requests.labels(ep.role.value, ep.url, "broken" if brk.reason != "timeout"
                                              else "timeout").inc()
+            if brk.reason == "error_event" and state.first_id is None and replay is not None and not replayed:
+                # The engine answered with an error before any token: it lives (a dead one fails its health
+                # checks), the request failed. Replayed whole, on any decode engine, this one included.
+                replayed = True
+                logger.warning("[migration] request %s: %s failed before its first token (%s); replayed with "
+                               "local prefill", request_id, ep.url, brk.message)
+                metrics.migrations.labels("replay").inc()
+                try:
+                    up = await open_upstream(router, router.decode, replay[0], replay[1], rreq, headers)
+                except NoEndpoint as e:
+                    await out.write(sse(error_body(503, f"the engine serving this request failed ({brk.message}) "
+                                                        f"and no engine is left to retry it: {e}",
+                                                   "service_unavailable")))
+                    await out.write(sse("[DONE]"))
+                    break
+                continue
             router.pool(ep.role).eject(ep, f"stream broke: {brk.message}")
             if state.finished:
                 await finish_locally(out, state, None)

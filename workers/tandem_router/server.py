@@ -101,7 +101,10 @@ async def _dispatch(request: web.Request, router: Router, parsed: ParsedRequest,
         raise
     url = up.endpoint.url
     if resumable:
-        resp = await relay_resumable(router, request, up, parsed, rreq, headers, request_id, t_start)
+        # A P/D answer that errs before its first token is replayed with local prefill (the body without
+        # kv_transfer_params, which `sent` never carries: the P/D flow adds them).
+        replay = (route, sent.raw) if router.pd_mode else None
+        resp = await relay_resumable(router, request, up, parsed, rreq, headers, request_id, t_start, replay)
     elif not parsed.stream and cfg.max_migrations > 0:
         resp = await relay_whole(router, request, up, parsed, route, rreq, headers, request_id, t_start)
     else:
