@@ -210,6 +210,12 @@ async def pump(up: Upstream, out: web.StreamResponse, state: StreamState, resume
     return Break("eof", "the stream ended without [DONE]")
 
 
+async def end_with_error(out: web.StreamResponse, status: int, message: str, kind: str) -> None:
+    """The stream's last events: an OpenAI-style error, then [DONE]."""
+    await out.write(sse(error_body(status, message, kind)))
+    await out.write(sse("[DONE]"))
+
+
 async def finish_locally(out: web.StreamResponse, state: StreamState, finish_reason: str | None) -> None:
     """End an answer whose tokens were all sent but whose engine broke before it said so."""
     if finish_reason is not None:
@@ -269,10 +275,8 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
                 try:
                     up = await open_upstream(router, router.decode, replay[0], replay[1], rreq, headers)
                 except NoEndpoint as e:
-                    await out.write(sse(error_body(503, f"the engine serving this request failed ({brk.message}) "
-                                                        f"and no engine is left to retry it: {e}",
-                                                   "service_unavailable")))
-                    await out.write(sse("[DONE]"))
+                    await end_with_error(out, 503, f"the engine serving this request failed ({brk.message}) and "
+                                                   f"no engine is left to retry it: {e}", "service_unavailable")
                     break
                 continue
             router.pool(ep.role).eject(ep, f"stream broke: {brk.message}")
@@ -287,18 +291,15 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
                 why = "no prompt token ids to resume from" if body is None else \
                     f"{state.migrations} migrations already (--max-migrations)"
                 status = 504 if brk.reason == "timeout" else 502
-                await out.write(sse(error_body(status, f"the engine serving this request failed mid-stream "
-                                                       f"({brk.message}); not resumed: {why}", "upstream_error")))
-                await out.write(sse("[DONE]"))
+                await end_with_error(out, status, f"the engine serving this request failed mid-stream "
+                                                  f"({brk.message}); not resumed: {why}", "upstream_error")
                 break
             try:
                 up = await open_upstream(router, router.decode, "/v1/completions", json.dumps(body).encode(),
                                          rreq, headers, exclude=tried)
             except NoEndpoint as e:
-                await out.write(sse(error_body(503, f"the engine serving this request failed mid-stream "
-                                                    f"({brk.message}) and no engine is left to resume it: {e}",
-                                               "service_unavailable")))
-                await out.write(sse("[DONE]"))
+                await end_with_error(out, 503, f"the engine serving this request failed mid-stream ({brk.message}) "
+                                               f"and no engine is left to resume it: {e}", "service_unavailable")
                 break
             state.migrations += 1
             state.resumed_from = len(state.generated)
