@@ -85,12 +85,17 @@ def engine_command(spec: InferenceServiceSpec, role: Component) -> list[str]:
     # Decode engines reach a prefill engine's side channel at the address it advertises in
     # kv_transfer_params: the pod's own IP (the kubelet expands $(POD_IP) from the container's env).
     kv_host = ["--kv-host", "$(POD_IP)"] if spec.disaggregated else []
+    # After SIGTERM the engine serves what is in flight and the leases on its blocks for this long; the pod's
+    # grace period covers it (workloads.py).
+    drain = (spec.prefill if role is Component.PREFILL else spec.decode).drain_seconds
     return [
         "tandem",
         "serve",
         *shared_engine_args(spec),
         "--role",
         engine_role_flag(spec, role),
+        "--drain-seconds",
+        str(drain),
         *kv_host,
         *spec.engine.extra_args,
     ]

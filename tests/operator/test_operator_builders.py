@@ -130,6 +130,19 @@ def test_pods_are_hardened(variant: str) -> None:
         )
 
 
+def test_each_role_drains_for_its_own_drain_seconds_inside_its_grace_period() -> None:
+    raw = body()
+    raw["spec"]["prefill"]["drainSeconds"] = 90
+    raw["spec"]["decode"]["drainSeconds"] = 12
+    spec = parse_spec(raw)
+    for role, drain in ((Component.PREFILL, 90), (Component.DECODE, 12)):
+        args = engine_command(spec, role)
+        assert args[args.index("--drain-seconds") + 1] == str(drain)
+        pod = build_engine_deployment(spec, role, "h")["spec"]["template"]["spec"]
+        # preStop's sleep, then the engine's drain, then a margin before SIGKILL
+        assert pod["terminationGracePeriodSeconds"] == 5 + drain + 5
+
+
 def test_prefill_and_decode_cannot_disagree() -> None:
     spec = parse_spec(body())
     prefill, decode = engine_command(spec, Component.PREFILL), engine_command(spec, Component.DECODE)
@@ -137,8 +150,8 @@ def test_prefill_and_decode_cannot_disagree() -> None:
     assert prefill[:2] == decode[:2] == ["tandem", "serve"]
     assert prefill[2 : 2 + len(shared)] == decode[2 : 2 + len(shared)] == shared
     pod_ip = ["--kv-host", "$(POD_IP)"]
-    assert prefill[2 + len(shared) :] == ["--role", "prefill", *pod_ip]
-    assert decode[2 + len(shared) :] == ["--role", "decode", *pod_ip]
+    assert prefill[2 + len(shared) :] == ["--role", "prefill", "--drain-seconds", "30", *pod_ip]
+    assert decode[2 + len(shared) :] == ["--role", "decode", "--drain-seconds", "30", *pod_ip]
     assert shared == [
         "--model",
         "smollm2-135m-instruct",

@@ -103,8 +103,11 @@ class EngineConfig:
     cpu_float_panels: bool = True
     quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)
-    # Start-up
+    # Start-up and shutdown
     ready_timeout_s: float = 600.0
+    # After SIGTERM: how long requests in flight, and a prefill engine's leases on blocks decode engines have
+    # yet to read, may keep the engine up; what is still open then is aborted (docs/operations.md)
+    drain_seconds: int = 30
 
     @property
     def max_running_requests(self) -> int:

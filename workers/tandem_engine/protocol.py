@@ -61,6 +61,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     kv_transfer_sent_blocks: int = 0
     kv_transfer_received_blocks: int = 0
     kv_transfer_failures: int = 0
+    kv_leases_expired: int = 0
     kv_transfer_seconds: list[float] = msgspec.field(default_factory=list)
 
 

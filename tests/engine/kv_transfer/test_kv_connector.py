@@ -10,7 +10,7 @@ import msgspec
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
-from tandem_engine.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from tandem_engine.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, LeaseCounts, LoadSpec
 from tandem_engine.kv_transfer.messages import RemoteDecodeParams, RemotePrefillParams
 from tandem_engine.kv_transfer.nixl_connector import NixlConnectorScheduler
 from tandem_engine.request import Request, RequestStatus
@@ -101,6 +101,22 @@ def test_lease_expires_and_heartbeats_extend_it_out_of_order() -> None:
     clock.t += LEASE
     s.update_from_kv_output(KVConnectorOutput(), clock())
     assert all_free(s) and conn.next_deadline() is None
+    # Both ran out (what a draining engine reports, and tandem:kv_leases_expired counts); none was released.
+    assert conn.leases == LeaseCounts(held=0, held_blocks=0, released=0, expired=2)
+    assert s.stats().kv_leases_expired == 2 and s.stats().kv_leases_expired == 0
+
+
+def test_lease_counts_tell_released_from_expired() -> None:
+    s, conn, clock = make("prefill")
+    for rid, base in (("a", 1), ("b", 50), ("c", 90)):
+        s.add_request(req(rid, 5, params=DECODE_REMOTELY, base=base))
+    step(s)
+    assert conn.leases == LeaseCounts(held=3, held_blocks=6, released=0, expired=0)
+    s.update_from_kv_output(KVConnectorOutput(released=[("a", 2), ("b", 2)]), clock())
+    clock.t += LEASE + 1
+    s.update_from_kv_output(KVConnectorOutput(released=[("a", 2)]), clock())  # a repeat changes nothing
+    assert conn.leases == LeaseCounts(held=0, held_blocks=0, released=2, expired=1)
+    assert all_free(s)
 
 
 def test_prefill_frees_at_once_on_any_other_ending() -> None:

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -31,6 +31,9 @@ from tandem_engine.protocol import (
     request_decoder,
 )
 from tandem_engine.request import Request
+
+if TYPE_CHECKING:
+    from tandem_engine.kv_transfer.interface import LeaseCounts  # imports torch, which must load after openmp_env
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +91,17 @@ class EngineCoreProc:
     def __init__(self, config: EngineConfig, engine_index: int, addresses: EngineAddresses,
                  ctx: zmq.Context[Any]) -> None:
         from tandem_engine.core.engine_core import EngineCore
+        from tandem_engine.kv_transfer.interface import LeaseCounts
 
         self.engine_index = engine_index
         self.core = EngineCore(config, engine_index)
-        self.input_queue: queue.Queue[Any] = queue.Queue()
+        # SimpleQueue: its put is safe from a signal handler, which may run while the loop is inside get
+        self.input_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._shutdown = threading.Event()
         self._draining = False
+        self._drain_start = self._drain_deadline = 0.0
+        self._leases_at_start = LeaseCounts()
         self._parent = os.getppid()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._input_thread = threading.Thread(target=self._input_loop, args=(ctx, addresses.input),
@@ -117,10 +124,57 @@ class EngineCoreProc:
                             dtype=str(self.core.dtype).removeprefix("torch."))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Only set flags and wake the loop: the loop drains live requests, then exits.
-        self._draining = True
+        # Only put a message on the queue: the loop drains live requests and leases, then exits.
+        self.input_queue.put((RequestType.SHUTDOWN, float(self.core.config.drain_seconds)))
+
+    def _begin_drain(self, drain_s: float) -> None:
+        """Keep stepping until no request is open, no lease on our blocks is held and no KV load is pending,
+        or for `drain_s` seconds; 0 aborts every request at once."""
+        if self._shutdown.is_set():
+            # Already leaving (SIGTERM, then the frontend's own ask): the earlier deadline holds.
+            self._drain_deadline = min(self._drain_deadline, time.monotonic() + drain_s)
+            return
         self._shutdown.set()
-        self.input_queue.put(_WAKEUP)
+        self._draining = drain_s > 0
+        self._drain_start = time.monotonic()
+        self._drain_deadline = self._drain_start + drain_s
+        if not self._draining:
+            self._abort_all()
+            return
+        leases = self._leases()
+        logger.info("[drain] engine %d draining for up to %.0fs: %d requests open, %d leases held "
+                    "(%d blocks) for decode engines to read", self.engine_index, drain_s,
+                    len(self.core.scheduler.requests), leases.held, leases.held_blocks)
+        self._leases_at_start = leases
+
+    def _leases(self) -> LeaseCounts:
+        from tandem_engine.kv_transfer.interface import LeaseCounts
+
+        return self.core.kv_connector.leases if self.core.kv_connector is not None else LeaseCounts()
+
+    def _abort_all(self) -> None:
+        self.core.abort_requests(list(self.core.scheduler.requests))
+        self.output_queue.put(EngineCoreOutputs(self.engine_index, self.core.step(), self.core.stats(), time.time()))
+
+    def _still_draining(self) -> bool:
+        """While draining: is there work left that may still finish in time?"""
+        if not self._draining:
+            return False
+        if self.core.has_requests or self.core.kv_busy:
+            if time.monotonic() < self._drain_deadline:
+                return True
+            leases = self._leases()
+            logger.warning("[drain] engine %d: the drain's %.0fs are up; aborting %d requests, dropping %d "
+                           "leases (%d blocks)", self.engine_index, self._drain_deadline - self._drain_start,
+                           len(self.core.scheduler.requests), leases.held, leases.held_blocks)
+            self._abort_all()
+        else:
+            start, end = self._leases_at_start, self._leases()
+            logger.info("[drain] engine %d drained in %.1fs: %d leases released, %d expired while it waited",
+                        self.engine_index, time.monotonic() - self._drain_start, end.released - start.released,
+                        end.expired - start.expired)
+        self._draining = False
+        return False
 
     # -- busy loop ----------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
@@ -128,7 +182,7 @@ class EngineCoreProc:
         try:
             while True:
                 self._process_input_queue()
-                if self._shutdown.is_set() and not (self._draining and self.core.has_requests):
+                if self._shutdown.is_set() and not self._still_draining():
                     logger.info("[shutdown] engine %d leaving the busy loop", self.engine_index)
                     return
                 if self.core.has_requests or self.core.kv_busy:
@@ -149,8 +203,16 @@ class EngineCoreProc:
             raise SystemExit(1) from e
 
     def _process_input_queue(self) -> None:
-        # Blocks only when idle; while KV transfers or leases are pending it waits with a timeout.
-        timeout = 0.0 if self._shutdown.is_set() else self.core.wait_timeout()
+        # Blocks only when idle; while KV transfers or leases are pending it waits with a timeout (while
+        # draining too, at most until the drain's deadline).
+        if not self._shutdown.is_set():
+            timeout = self.core.wait_timeout()
+        elif self._draining:
+            left = max(0.0, self._drain_deadline - time.monotonic())
+            wait = self.core.wait_timeout()
+            timeout = left if wait is None else min(wait, left)
+        else:
+            timeout = 0.0
         block = timeout != 0.0
         while True:
             try:
@@ -170,12 +232,7 @@ class EngineCoreProc:
             elif kind == RequestType.ABORT:
                 self.core.abort_requests(payload)
             elif kind == RequestType.SHUTDOWN:
-                self._draining = bool(payload)
-                self._shutdown.set()
-                if not self._draining:
-                    self.core.abort_requests(list(self.core.scheduler.requests))
-                    self.output_queue.put(EngineCoreOutputs(
-                        self.engine_index, self.core.step(), self.core.stats(), time.time()))
+                self._begin_drain(payload)
 
     # -- IO threads ---------------------------------------------------------------------------
     def _input_loop(self, ctx: zmq.Context[Any], address: str) -> None:
@@ -198,7 +255,7 @@ class EngineCoreProc:
             if not poller.poll(_PARENT_POLL_MS):
                 if os.getppid() != self._parent:
                     logger.warning("[shutdown] frontend process is gone; exiting")
-                    self.input_queue.put((RequestType.SHUTDOWN, False))
+                    self.input_queue.put((RequestType.SHUTDOWN, 0.0))
                     return
                 continue
             kind_b, payload = sock.recv_multipart()

@@ -311,5 +311,6 @@ class Scheduler:
             stats.kv_transfer_sent_blocks = kv.sent_blocks
             stats.kv_transfer_received_blocks = kv.received_blocks
             stats.kv_transfer_failures = kv.failures
+            stats.kv_leases_expired = kv.expired_leases
             stats.kv_transfer_seconds = kv.seconds
         return stats

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, get_args
+from typing import Any, get_args
 
 from tandem_engine.config import (
     CACHE_DIR_ENV,
@@ -31,9 +31,6 @@ from tandem_engine.config import (
     SchedulingPolicy,
 )
 
-if TYPE_CHECKING:
-    import uvicorn
-
 logger = logging.getLogger("tandem_engine.serve")
 
 
@@ -48,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", help="debug, info, warning or error")
     server.add_argument("--ready-timeout", dest="ready_timeout_s", type=float, default=d.ready_timeout_s,
                         help="seconds to wait for every EngineCore's READY")
+    server.add_argument("--drain-seconds", type=_non_negative, default=d.drain_seconds,
+                        help="after SIGTERM, how long requests in flight and KV leases held for decode "
+                             "engines may keep the server up")
     model = p.add_argument_group("model")
     model.add_argument("--model", default=d.model,
                        help="safetensors directory, .gguf file, or the alias smollm2-135m-instruct")
@@ -186,7 +186,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
         raise
     app = build_app(engine, engine.metrics.registry, config.kv_events_info())
     server = server_class(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                         timeout_graceful_shutdown=30, access_log=False))
+                                         timeout_graceful_shutdown=config.drain_seconds, access_log=False))
     exit_code = 0
 
     def on_dead(error: EngineDeadError) -> None:
@@ -201,18 +201,28 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
         await server.serve()
     finally:
         engine.begin_drain()
-        await engine.shutdown(drain=exit_code == 0)
+        # The HTTP drain (uvicorn's graceful shutdown) spent part of the budget; the EngineCores get the rest.
+        spent = time.monotonic() - server.exit_requested_at if server.exit_requested_at else 0.0
+        await engine.shutdown(max(0.0, config.drain_seconds - spent) if exit_code == 0 else 0.0)
     if exit_code:
         logger.error("[shutdown] exiting with an error: the engine died (%s)", engine.dead_error)
     return exit_code if not server.started or exit_code else 0
 
 
-def _make_server_class() -> type[uvicorn.Server]:
+def _make_server_class() -> Any:  # a subclass of uvicorn.Server, imported late
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the captured SIGTERM after a graceful shutdown, which would kill us before
-        the engines are shut down and turn a clean exit into -15: handle the signals ourselves."""
+        the engines are shut down and turn a clean exit into -15: handle the signals ourselves. Records when
+        the first one came, the start of the drain."""
+
+        exit_requested_at: float | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.exit_requested_at is None:
+                self.exit_requested_at = time.monotonic()
+            super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

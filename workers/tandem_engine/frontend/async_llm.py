@@ -84,9 +84,10 @@ class AsyncLLM(EngineClient):
         """Call `callback` when an EngineCore dies, after every pending request has failed."""
         self._death_callbacks.append(callback)
 
-    async def shutdown(self, drain: bool = True) -> None:
+    async def shutdown(self, drain_s: float = 30.0) -> None:
+        """Stop the EngineCores once their requests and KV leases are done, at most `drain_s` seconds."""
         self._draining = True
-        await self.core.shutdown(drain=drain)
+        await self.core.shutdown(drain_s)
 
     def begin_drain(self) -> None:
         self._draining = True

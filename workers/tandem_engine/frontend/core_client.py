@@ -198,16 +198,17 @@ class CoreClient:
         except zmq.ZMQError as e:
             raise EngineDeadError(f"EngineCore {idx} is unreachable: {e}") from e
 
-    async def shutdown(self, drain: bool = True, timeout_s: float = 30.0) -> None:
-        """Ask every engine to finish (drain) or abort its requests and exit; kill stragglers."""
+    async def shutdown(self, drain_s: float = 30.0) -> None:
+        """Ask every engine to exit once its requests and KV leases are done, aborting what is still open
+        after `drain_s` seconds (0: at once); kill stragglers a few seconds later."""
         self._closing = True
         for idx, p in enumerate(self.procs):
             if p.is_alive():
                 try:
-                    await self._send(idx, RequestType.SHUTDOWN, msgspec.msgpack.encode(drain))
+                    await self._send(idx, RequestType.SHUTDOWN, msgspec.msgpack.encode(float(drain_s)))
                 except EngineDeadError:
                     pass
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + drain_s + 10
         for p in self.procs:
             while p.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

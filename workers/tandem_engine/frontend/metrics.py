@@ -47,6 +47,8 @@ class EngineMetrics:
         self.kv_received = Counter("tandem:kv_transfer_received_blocks", "KV blocks pulled by this decode engine",
                                    lbl, registry=r)
         self.kv_failures = Counter("tandem:kv_transfer_failures", "Failed KV transfers", lbl, registry=r)
+        self.kv_expired = Counter("tandem:kv_leases_expired", "Leases on this prefill engine's blocks that ran "
+                                  "out before a decode engine released them", lbl, registry=r)
         self.kv_seconds = Histogram("tandem:kv_transfer_seconds", "Duration of one request's KV transfer", lbl,
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_held = Gauge("tandem:kv_blocks_held_for_transfer", "Blocks held for decode engines to read",
@@ -68,7 +70,7 @@ class EngineMetrics:
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                        self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.kv_sent, self.kv_received, self.kv_failures, self.kv_seconds,
-                       self.kv_held):
+                       self.kv_held, self.kv_expired):
             metric.labels(model_name)
 
     def record_thread_plan(self, plan: ThreadPlan) -> None:
@@ -94,5 +96,6 @@ class EngineMetrics:
         self.kv_sent.labels(m).inc(stats.kv_transfer_sent_blocks)
         self.kv_received.labels(m).inc(stats.kv_transfer_received_blocks)
         self.kv_failures.labels(m).inc(stats.kv_transfer_failures)
+        self.kv_expired.labels(m).inc(stats.kv_leases_expired)
         for s in stats.kv_transfer_seconds:
             self.kv_seconds.labels(m).observe(s)

@@ -84,7 +84,17 @@ class KVTransferStats:
     sent_blocks: int = 0
     received_blocks: int = 0
     failures: int = 0
+    expired_leases: int = 0
     seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LeaseCounts:
+    """A prefill engine's leases: held now, and released or expired since it started."""
+    held: int = 0
+    held_blocks: int = 0
+    released: int = 0
+    expired: int = 0
 
 
 class KVConnectorScheduler(ABC):
@@ -133,6 +143,10 @@ class KVConnectorScheduler(ABC):
     @property
     @abstractmethod
     def num_held_blocks(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def leases(self) -> LeaseCounts: ...
 
 
 class KVConnectorWorker(ABC):

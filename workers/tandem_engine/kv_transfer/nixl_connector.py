@@ -25,6 +25,7 @@ from tandem_engine.kv_transfer.interface import (
     KVConnectorOutput,
     KVConnectorScheduler,
     KVTransferStats,
+    LeaseCounts,
     LoadSpec,
     RemotePrefill,
 )
@@ -67,6 +68,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._loading: set[str] = set()  # decode: load handed to the worker, not yet reported
         self._meta = KVConnectorMetadata()
         self._stats = KVTransferStats()
+        self._released = self._expired = 0  # leases, since start
 
     # -- decode -------------------------------------------------------------------------------
     def on_new_request(self, req: Request) -> None:
@@ -155,6 +157,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 logger.info("[lease] release for unknown or expired request %s dropped", rid)
                 continue
             self._stats.sent_blocks += n
+            self._released += 1
             freed.append(lease.req)
         for rid in out.heartbeats:
             lease = self._held.get(rid)
@@ -165,6 +168,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if lease.expiry <= now:
                 logger.warning("[lease] %s expired; freeing its %d blocks", rid, lease.num_blocks)
                 del self._held[rid]
+                self._stats.expired_leases += 1
+                self._expired += 1
                 freed.append(lease.req)
         for rid in out.finished_recving:
             self._loading.discard(rid)
@@ -185,6 +190,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     @property
     def num_held_blocks(self) -> int:
         return sum(lease.num_blocks for lease in self._held.values())
+
+    @property
+    def leases(self) -> LeaseCounts:
+        return LeaseCounts(len(self._held), self.num_held_blocks, self._released, self._expired)
 
     def take_stats(self) -> KVTransferStats:
         stats, self._stats = self._stats, KVTransferStats()
