@@ -72,6 +72,21 @@ def replicas_patch(plan: Plan) -> dict[str, Any]:
     return {d.role: {"replicas": d.desired} for d in plan.decisions if d.scaling}
 
 
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def deletion_costs(plan: Plan, scrape: Scrape) -> dict[str, dict[str, int]]:
+    """Role -> pod -> `pod-deletion-cost` for each role the plan shrinks: the work a pod would have to finish
+    before it could leave (requests running and waiting, and on prefill the KV blocks it holds for decode
+    engines to read), so that the ReplicaSet removes the idlest. Pods whose scrape failed get none."""
+    pools = {"decode": scrape.decode, "prefill": scrape.prefill or {}}
+    return {
+        d.role: {pod: round(s.running + s.waiting + s.held_blocks) for pod, s in pools[d.role].items() if s}
+        for d in plan.decisions
+        if d.scaling and d.desired < d.current
+    }
+
+
 def autoscaling_status(sig: Signals, plan: Plan, previous: Mapping[str, Any] | None) -> dict[str, Any]:
     """`status.autoscaling`: this tick's signals and plan; `lastScale` changes only when a role scales."""
     status: dict[str, Any] = {
@@ -130,8 +145,20 @@ class Autoscaler:
         current = Replicas(decode=spec.decode.replicas,
                            prefill=spec.prefill.replicas if config.prefill is not None else None)
         plan = self.planner.plan(sig, current)
+        await self.mark_deletion_costs(deletion_costs(plan, now_scrape))
         await self.act(body, plan, sig)
         return float(config.interval_seconds)
+
+    async def mark_deletion_costs(self, costs: dict[str, dict[str, int]]) -> None:
+        """Before a scale-down: Kubernetes picks which pods go, and removes those of lowest cost first (the
+        annotation is read only then, so it is written only then)."""
+        for role, pods in costs.items():
+            for pod, cost in pods.items():
+                try:
+                    await self.client.patch("Pod", self.namespace, pod,
+                                            {"metadata": {"annotations": {DELETION_COST: str(cost)}}})
+                except KubeError as exc:  # gone since the scrape, or not ours to annotate: best effort
+                    logger.warning("[autoscale] %s/%s: %s pod %s: %s", self.namespace, self.name, role, pod, exc)
 
     async def act(self, body: kopf.Body, plan: Plan, sig: Signals) -> None:
         change = replicas_patch(plan)

@@ -26,6 +26,7 @@ MERGE_PATCH = "application/merge-patch+json"
 KINDS: dict[str, tuple[type[Any], str]] = {
     "EndpointSlice": (k8s.DiscoveryV1Api, "endpoint_slice"),
     "ConfigMap": (k8s.CoreV1Api, "config_map"),
+    "Pod": (k8s.CoreV1Api, "pod"),
     "Service": (k8s.CoreV1Api, "service"),
     "ServiceAccount": (k8s.CoreV1Api, "service_account"),
     "Deployment": (k8s.AppsV1Api, "deployment"),

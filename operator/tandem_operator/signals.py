@@ -36,6 +36,7 @@ class EngineSample:
     prompt_tokens: float  # counter
     ttft: Buckets
     itl: Buckets
+    held_blocks: float = 0.0  # prefill: KV blocks held under a lease for decode engines to read
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def parse_engine(text: str) -> EngineSample:
         prompt_tokens=_total(s, "vllm:prompt_tokens_total"),
         ttft=_buckets(s, ENGINE_TTFT),
         itl=_buckets(s, ENGINE_ITL),
+        held_blocks=_total(s, "tandem:kv_blocks_held_for_transfer"),
     )
 
 

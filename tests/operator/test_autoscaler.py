@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from planner_utils import Offered, System, config
 
-from tandem_operator.autoscaler import autoscaling_status, replicas_patch
+from tandem_operator.autoscaler import autoscaling_status, deletion_costs, replicas_patch
 from tandem_operator.planner import Planner, Replicas
+from tandem_operator.signals import EngineSample, Scrape, parse_engine
 
 
 def test_a_step_patches_only_the_roles_that_move_and_records_why() -> None:
@@ -31,3 +32,30 @@ def test_a_step_patches_only_the_roles_that_move_and_records_why() -> None:
     kept = autoscaling_status(sig, quiet, status)
     assert kept["lastScale"] == status["lastScale"] and kept["reasons"]["decode"].startswith("decode 4: ")
     assert "lastScale" not in autoscaling_status(sig, quiet, None)
+
+
+def engine(running: float, waiting: float = 0.0, held_blocks: float = 0.0) -> EngineSample:
+    return EngineSample(running=running, waiting=waiting, kv_usage=0.1, max_num_seqs=64.0, prompt_tokens=0.0,
+                        ttft=(), itl=(), held_blocks=held_blocks)
+
+
+def test_a_scale_down_first_marks_each_pod_with_its_open_work_so_kubernetes_removes_the_idlest() -> None:
+    planner = Planner(config(decode=(1, 4), prefill=(1, 4), down=0))
+    system = System()
+    current = Replicas(decode=3, prefill=2)
+    plan = planner.plan(system.signals(0.0, Offered(streams=0.5), current), current)
+    assert plan.decode.desired < 3 and plan.decode.scaling
+    decode = {"d-busy": engine(5, 1), "d-idle": engine(0), "d-some": engine(2), "d-unread": None}
+    prefill = {"p-holding": engine(0, held_blocks=40), "p-idle": engine(0)}
+    costs = deletion_costs(plan, Scrape(time=0.0, router={}, decode=decode, prefill=prefill))
+    # Only the roles that shrink, only the pods that answered (the ReplicaSet removes unready ones first
+    # anyway); the cost is the work a pod would have to finish before it could leave.
+    assert costs["decode"] == {"d-busy": 6, "d-idle": 0, "d-some": 2}
+    assert ("prefill" in costs) == plan.prefill.scaling
+    if plan.prefill.scaling:
+        assert costs["prefill"] == {"p-holding": 40, "p-idle": 0}
+    grow = Replicas(decode=1, prefill=1)
+    up = Planner(config(decode=(1, 4), prefill=(1, 4), up=0))
+    assert deletion_costs(up.plan(system.signals(0.0, Offered(streams=40.0), grow), grow),
+                          Scrape(time=0.0, router={}, decode=decode, prefill=prefill)) == {}
+    assert parse_engine("vllm:num_requests_running 2\ntandem:kv_blocks_held_for_transfer 7\n").held_blocks == 7

@@ -61,6 +61,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
   verbs: [get, list, watch, create, patch, delete]
+# The planner marks engine pods with their pod-deletion-cost before it scales a pool down.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [patch]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]
