@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from tandem_operator.naming import LABEL_ISVC, Component, engine_components, service_host
@@ -81,22 +82,20 @@ def engine_ports(spec: InferenceServiceSpec) -> EnginePorts:
     return EnginePorts(spec.engine.port, side_channel, spec.engine.kv_events.port, spec.engine.data_parallel_size)
 
 
-def engine_command(spec: InferenceServiceSpec, role: Component) -> list[str]:
+def engine_command(spec: InferenceServiceSpec, role: Component, per_pod: Sequence[str] = ()) -> list[str]:
+    """The engine's command line; `per_pod` (flags outside the shared configuration) goes before the user's
+    extraArgs, which may override any flag."""
     # Decode engines reach a prefill engine's side channel at the address it advertises in
     # kv_transfer_params: the pod's own IP (the kubelet expands $(POD_IP) from the container's env).
     kv_host = ["--kv-host", "$(POD_IP)"] if spec.disaggregated else []
-    # After SIGTERM the engine serves what is in flight and the leases on its blocks for this long; the pod's
-    # grace period covers it (workloads.py).
-    drain = (spec.prefill if role is Component.PREFILL else spec.decode).drain_seconds
     return [
         "tandem",
         "serve",
         *shared_engine_args(spec),
         "--role",
         engine_role_flag(spec, role),
-        "--drain-seconds",
-        str(drain),
         *kv_host,
+        *per_pod,
         *spec.engine.extra_args,
     ]
 
@@ -169,3 +168,9 @@ def config_json(spec: InferenceServiceSpec) -> str:
 
 def config_hash(spec: InferenceServiceSpec) -> str:
     return hashlib.sha256(config_json(spec).encode()).hexdigest()[:16]
+
+
+def engine_revision(spec: InferenceServiceSpec, digest: str) -> str:
+    """What a prefill and a decode engine must share to move KV between them: the shared configuration (its
+    hash) and the image. The router pairs engines of one revision only (docs/operations.md, rollouts)."""
+    return hashlib.sha256(f"{digest}/{spec.engine.image}".encode()).hexdigest()[:12]

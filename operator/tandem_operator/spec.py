@@ -48,6 +48,8 @@ MANAGED_ENGINE_FLAGS = (
     "--kv-events-port",
     "--kv-events-host",
     "--kv-events-buffer-steps",
+    "--revision",
+    "--drain-seconds",
 )
 MODEL_URI = re.compile(
     r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/\s]+|/\S*|[a-z0-9][a-z0-9.-]*)$"

@@ -6,7 +6,7 @@ import copy
 import math
 from typing import Any
 
-from tandem_operator.args import MODEL_DIR, engine_command, engine_ports, router_command
+from tandem_operator.args import MODEL_DIR, engine_command, engine_ports, engine_revision, router_command
 from tandem_operator.naming import (
     ANNOTATION_CONFIG_HASH,
     Component,
@@ -258,11 +258,15 @@ def build_engine_deployment(spec: InferenceServiceSpec, role: Component, config_
     role_spec: RoleSpec = spec.prefill if role is Component.PREFILL else spec.decode
     volumes, mounts = _engine_volumes(spec)
     ports = [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in engine_ports(spec).named()]
+    # Per pod, outside the shared configuration (a role's drainSeconds rolls only that role): the revision
+    # the router pairs by, and how long the engine drains after SIGTERM, inside the grace period below.
+    command = engine_command(spec, role, ["--revision", engine_revision(spec, config_hash),
+                                          "--drain-seconds", str(role_spec.drain_seconds)])
     container = _server_container(
         spec,
         ENGINE_CONTAINER,
         spec.engine.image,
-        engine_command(spec, role),
+        command,
         ports=ports,
         env=_engine_env(spec),
         mounts=mounts,

@@ -8,10 +8,13 @@ Order matters within this module: the CRD and the operator are installed once, t
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -531,10 +534,85 @@ def test_the_planner_grows_prefill_when_prompts_grow(env: Env) -> None:
     obj = env.get("tisvc", name, "-n", ns)
     assert obj["spec"]["decode"]["replicas"] == 2, obj["spec"]
     assert obj["status"]["autoscaling"]["signals"]["prefill"]["ttftSeconds"] > 0.05, obj["status"]["autoscaling"]
+    # Stopped here; the next test takes both pools back to one pod each, under load, which a planner still
+    # running would undo.
     env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
-           json.dumps({"spec": {"autoscaling": None, "prefill": {"replicas": 1}}}))
-    eventually(lambda: len(env.pods(ns, name, "prefill")) == 1, 120, "prefill did not go back to 1")
-    time.sleep(5)  # a planner still running would scale it up again
+           json.dumps({"spec": {"autoscaling": None}}))
+
+
+DRAINED = re.compile(r"\[drain\] engine 0 drained in [0-9.]+s: (\d+) leases released, (\d+) expired while it waited "
+                     r"\((\d+) released, (\d+) expired since it started\)")
+
+
+def test_both_pools_scale_down_under_load_and_nothing_is_lost(env: Env, tmp_path: Path) -> None:
+    """Prefill 2 -> 1 and decode 2 -> 1 by one spec edit (the field the planner's step down writes too) while
+    streamed P/D requests run through the router: every request answers in full, no stream breaks (no
+    migration, no replay), the surviving decode engine read every prompt's KV without a failure, and the pods
+    that left drained first: their logs say so, and no lease on the prefill engine's blocks ever ran out."""
+    ns, name = "pd", "smollm2-pd"
+    eventually(lambda: len(env.ready_pods(ns, name, "prefill")) == len(env.ready_pods(ns, name, "decode")) == 2,
+               300, "prefill and decode never stood at 2 pods each", interval_s=1)
+    (router,) = env.ready_pods(ns, name, "router")
+    url = env.url(router)
+    engines = {p["metadata"]["name"]: p["metadata"]["labels"][LABEL_ROLE]
+               for role in ("prefill", "decode") for p in env.ready_pods(ns, name, role)}
+    followers = {pod: subprocess.Popen(["kubectl", "logs", "-f", "-n", ns, pod], env=dict(env.env),
+                                       stdout=(tmp_path / f"{pod}.log").open("w"), stderr=subprocess.STDOUT)
+                 for pod in engines}
+    migrations = metric(url, "tandem:router_migrations_total")
+    stop, results = threading.Event(), []
+
+    def load(worker: int) -> None:
+        for k in range(10_000):
+            if stop.is_set():
+                return
+            prompt = f"Request {worker}.{k}: " + "the quick brown fox jumps over the lazy dog. " * 12
+            body = {"model": "smollm2-135m-instruct", "max_tokens": 16, "ignore_eos": True, "temperature": 0,
+                    "stream": True, "prompt": prompt}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            events = [json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]"]
+            finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+            broken = r.status_code != 200 or any("error" in e for e in events) or finish != ["length"] \
+                or lines[-1:] != ["data: [DONE]"]
+            results.append(f"broken: {r.status_code} {lines[-3:]}" if broken else "ok")
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(load, w) for w in range(4)]
+        try:
+            eventually(lambda: len(results) >= 8, 180, "the load never got going", interval_s=0.5)
+            env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+                   json.dumps({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}))
+            left = f"{LABEL_ISVC}={name},{LABEL_ROLE} in (prefill,decode)"
+            eventually(lambda: len(env.get("pods", "-n", ns, "-l", left)["items"]) == 2, 180,
+                       "the pools did not shrink to one pod each", interval_s=1)
+            done = len(results)
+            eventually(lambda: len(results) >= done + 4, 120, "the load did not go on on the pods left")
+        finally:
+            stop.set()
+            for f in running:
+                f.result(timeout=300)
+    assert results and all(r == "ok" for r in results), [r for r in results if r != "ok"]
+    assert metric(url, "tandem:router_migrations_total") == migrations  # nothing broke, nothing was replayed
+    (decode,) = env.ready_pods(ns, name, "decode")
+    assert metric(env.url(decode), "tandem:kv_transfer_failures_total") == 0
+    assert metric(env.url(decode), "tandem:kv_transfer_received_blocks_total") > 0
+    staying = {p["metadata"]["name"] for role in ("prefill", "decode") for p in env.pods(ns, name, role)}
+    gone = sorted(set(engines) - staying)
+    assert sorted(engines[p] for p in gone) == ["decode", "prefill"], (gone, staying)
+    for pod in gone:
+        followers[pod].wait(60)
+        log = (tmp_path / f"{pod}.log").read_text()
+        assert "[drain] engine 0 draining for up to 30s" in log, log[-3000:]
+        drained = DRAINED.search(log)
+        assert drained, log[-3000:]
+        assert (drained[2], drained[4]) == ("0", "0"), drained[0]  # no lease ran out, before or during the drain
+        if engines[pod] == "prefill":
+            assert int(drained[3]) > 0, drained[0]  # it served decode engines, and each released its lease
+        print(f"{engines[pod]} {pod}:", *[ln for ln in log.splitlines() if "[drain]" in ln], sep="\n  ")
+    for f in followers.values():
+        f.terminate()
+    time.sleep(5)  # a planner still running would scale prefill up again under this load's TTFT
     assert env.get("tisvc", name, "-n", ns)["spec"]["prefill"]["replicas"] == 1
 
 

@@ -135,12 +135,33 @@ def test_each_role_drains_for_its_own_drain_seconds_inside_its_grace_period() ->
     raw["spec"]["prefill"]["drainSeconds"] = 90
     raw["spec"]["decode"]["drainSeconds"] = 12
     spec = parse_spec(raw)
+    digest = config_hash(spec)
+    revisions = set()
     for role, drain in ((Component.PREFILL, 90), (Component.DECODE, 12)):
-        args = engine_command(spec, role)
+        pod = build_engine_deployment(spec, role, digest)["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
         assert args[args.index("--drain-seconds") + 1] == str(drain)
-        pod = build_engine_deployment(spec, role, "h")["spec"]["template"]["spec"]
+        revisions.add(args[args.index("--revision") + 1])
         # preStop's sleep, then the engine's drain, then a margin before SIGKILL
         assert pod["terminationGracePeriodSeconds"] == 5 + drain + 5
+    # One revision for both roles (the router pairs by it); a role's own drainSeconds is not part of it.
+    assert len(revisions) == 1 and config_hash(parse_spec(body())) == digest
+
+
+def test_the_revision_changes_with_the_shared_configuration_and_the_image_only() -> None:
+    def revision(raw: dict[str, Any]) -> str:
+        spec = parse_spec(raw)
+        args = build_engine_deployment(spec, Component.DECODE, config_hash(spec))["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+        return str(args[args.index("--revision") + 1])
+
+    base = revision(body())
+    changed = {"blockSize": body(), "image": body(), "resources": body()}
+    changed["blockSize"]["spec"]["engine"]["blockSize"] = 32
+    changed["image"]["spec"]["engine"]["image"] = "registry.example/tandem-worker:next"
+    changed["resources"]["spec"]["decode"]["resources"] = {"requests": {"cpu": "2"}}
+    assert revision(changed["blockSize"]) != base and revision(changed["image"]) != base
+    assert revision(changed["resources"]) == base  # rolls decode alone; prefill and decode still pair
 
 
 def test_prefill_and_decode_cannot_disagree() -> None:
@@ -150,8 +171,8 @@ def test_prefill_and_decode_cannot_disagree() -> None:
     assert prefill[:2] == decode[:2] == ["tandem", "serve"]
     assert prefill[2 : 2 + len(shared)] == decode[2 : 2 + len(shared)] == shared
     pod_ip = ["--kv-host", "$(POD_IP)"]
-    assert prefill[2 + len(shared) :] == ["--role", "prefill", "--drain-seconds", "30", *pod_ip]
-    assert decode[2 + len(shared) :] == ["--role", "decode", "--drain-seconds", "30", *pod_ip]
+    assert prefill[2 + len(shared) :] == ["--role", "prefill", *pod_ip]
+    assert decode[2 + len(shared) :] == ["--role", "decode", *pod_ip]
     assert shared == [
         "--model",
         "smollm2-135m-instruct",

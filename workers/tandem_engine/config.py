@@ -103,6 +103,9 @@ class EngineConfig:
     cpu_float_panels: bool = True
     quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)
+    # What a prefill and a decode engine must share to move KV between them (set by the operator: the shared
+    # configuration's hash and the image); /health reports it and routers pair engines by it. "": none given.
+    revision: str = ""
     # Start-up and shutdown
     ready_timeout_s: float = 600.0
     # After SIGTERM: how long requests in flight, and a prefill engine's leases on blocks decode engines have

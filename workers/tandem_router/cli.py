@@ -30,10 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     # Every dest is a RouterConfig field: config_from_args copies flags to fields by name.
-    p.add_argument("--decode", dest="decode_urls", type=_urls, default=[], metavar="URLS",
-                   help="decode (or colocated) engine URLs, comma-separated")
-    p.add_argument("--prefill", dest="prefill_urls", type=_urls, default=[], metavar="URLS",
-                   help="prefill engine URLs; enables the P/D flow")
+    p.add_argument("--decode", dest="decode_urls", type=_urls, action="extend", default=[], metavar="URLS",
+                   help="decode (or colocated) engine URLs, comma-separated (or the flag repeated)")
+    p.add_argument("--prefill", dest="prefill_urls", type=_urls, action="extend", default=[], metavar="URLS",
+                   help="prefill engine URLs, comma-separated (or the flag repeated); enables the P/D flow")
     p.add_argument("--policy", choices=POLICIES, default=None, help="policy for both pools")
     p.add_argument("--decode-policy", choices=POLICIES, default=None)
     p.add_argument("--prefill-policy", choices=POLICIES, default=None)

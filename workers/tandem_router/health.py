@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem_router.pool import Endpoint, Pool
+from tandem_router.pool import REVISION_HEADER, Endpoint, Pool
 
 if TYPE_CHECKING:
     from tandem_router.router import Router
@@ -89,6 +89,8 @@ class HealthChecker:
                 await resp.read()
                 ok = resp.status == 200
                 reason = f"/health answered {resp.status}"
+                if ok:
+                    self.router.note_revision(ep, resp.headers.get(REVISION_HEADER, ""))
         except (TimeoutError, aiohttp.ClientError) as e:
             ok = False
             reason = f"/health failed: {type(e).__name__}"

@@ -273,7 +273,8 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
                                "local prefill", request_id, ep.url, brk.message)
                 metrics.migrations.labels("replay").inc()
                 try:
-                    up = await open_upstream(router, router.decode, replay[0], replay[1], rreq, headers)
+                    up = await open_upstream(router, router.decode, replay[0], replay[1], rreq, headers,
+                                             revision=router.revision_up(router.decode, ep.revision, set()))
                 except NoEndpoint as e:
                     await end_with_error(out, 503, f"the engine serving this request failed ({brk.message}) and "
                                                    f"no engine is left to retry it: {e}", "service_unavailable")
@@ -295,8 +296,10 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
                                                   f"({brk.message}); not resumed: {why}", "upstream_error")
                 break
             try:
+                # On the same revision where one is up: the same model and settings continue the answer.
                 up = await open_upstream(router, router.decode, "/v1/completions", json.dumps(body).encode(),
-                                         rreq, headers, exclude=tried)
+                                         rreq, headers, exclude=tried,
+                                         revision=router.revision_up(router.decode, ep.revision, tried))
             except NoEndpoint as e:
                 await end_with_error(out, 503, f"the engine serving this request failed mid-stream ({brk.message}) "
                                                f"and no engine is left to resume it: {e}", "service_unavailable")
@@ -339,7 +342,8 @@ async def relay_whole(router: Router, request: web.Request, up: Upstream, req: P
             metrics.upstream_requests.labels(ep.role.value, ep.url, "broken").inc()
             router.pool(ep.role).eject(ep, f"answer cut off: {type(e).__name__}")
             try:
-                up = await open_upstream(router, router.decode, path, req.raw, rreq, headers, exclude=tried)
+                up = await open_upstream(router, router.decode, path, req.raw, rreq, headers, exclude=tried,
+                                         revision=router.revision_up(router.decode, ep.revision, tried))
             except NoEndpoint as no:
                 return error_response(502, f"endpoint {ep.url} failed mid-answer ({type(e).__name__}) and no "
                                            f"engine is left to answer: {no}", "upstream_error")

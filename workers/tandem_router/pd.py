@@ -2,7 +2,10 @@
 
 The decode endpoint is picked first (by the decode policy: with prefix-aware, a conversation's next
 turn goes where its KV already is), so the router knows how much of the prompt that endpoint already
-holds, exactly when the engines publish KV events.
+holds, exactly when the engines publish KV events. Engines report a revision (the operator's shared
+configuration and image): KV moves only between a prefill and a decode endpoint of one revision, so the
+decode endpoint is one of a revision that has a prefill endpoint up, where there is one, and the prefill
+leg goes to one of its revision; a decode endpoint whose revision has none prefills locally.
 When the uncached part is short (at most `remote_prefill_threshold` tokens), or no prefill
 endpoint is healthy, or the request asks for several sequences (`n`, `best_of`, a batch of prompts),
 decode prefills locally. Otherwise a prefill endpoint computes the prompt with
@@ -40,14 +43,15 @@ class ClientErrorFromPrefill(Exception):
 
 
 async def run_prefill(
-    router: Router, path: str, req: ParsedRequest, rreq: RoutingRequest, headers: dict[str, str]
+    router: Router, path: str, req: ParsedRequest, rreq: RoutingRequest, headers: dict[str, str], revision: str
 ) -> RemotePrefillParams | None:
-    """The prefill leg; returns the `kv_transfer_params` to hand to decode, or None to prefill locally."""
+    """The prefill leg, on a prefill endpoint of `revision` (the decode endpoint's); returns the
+    `kv_transfer_params` to hand to decode, or None to prefill locally."""
     payload = json.dumps(prefill_body(req)).encode()
     t0 = time.perf_counter()
     try:
         up: Upstream = await open_upstream(
-            router, router.prefill, path, payload, rreq, headers, tokens=rreq.prompt_tokens
+            router, router.prefill, path, payload, rreq, headers, tokens=rreq.prompt_tokens, revision=revision
         )
     except NoEndpoint as e:
         logger.warning("remote prefill failed, decode prefills locally: %s", e)
@@ -92,7 +96,8 @@ async def open_pd(
     candidates = sorted(decode.healthy(), key=lambda e: e.url)
     if not candidates:
         raise NoEndpoint("no healthy decode endpoint")
-    d = router.choose(decode, router.admission.under_cap(candidates), rreq)
+    d = router.choose(decode, router.admission.under_cap(router.paired(candidates)), rreq)
+    revision = d.endpoint.revision
     # Exact when the decode engines publish KV events and the prompt was tokenized; else an estimate.
     cached_tokens = d.view.cached_tokens(d.endpoint.url) if d.view is not None else 0
     uncached = max(0, rreq.prompt_tokens - cached_tokens)
@@ -103,14 +108,16 @@ async def open_pd(
     if uncached <= router.config.remote_prefill_threshold:
         metrics.pd_decisions.labels("local_short_uncached").inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)
-    if not router.prefill.healthy():
-        metrics.pd_decisions.labels("local_no_prefill").inc()
+    if not router.prefill.healthy(revision):  # KV never moves between revisions
+        reason = "local_no_prefill_of_revision" if router.prefill.healthy() else "local_no_prefill"
+        metrics.pd_decisions.labels(reason).inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)
     metrics.overhead.observe(time.perf_counter() - t_start)
-    params = await run_prefill(router, path, req, rreq, headers)
+    params = await run_prefill(router, path, req, rreq, headers, revision)
     if params is None:
         metrics.pd_decisions.labels("local_fallback").inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d)
     metrics.pd_decisions.labels("remote").inc()
     payload = json.dumps(decode_body(req, params)).encode()
-    return await open_upstream(router, decode, path, payload, rreq, headers, first=d)
+    # A retry on another decode endpoint reads the same prefill engine's blocks: one of the same revision.
+    return await open_upstream(router, decode, path, payload, rreq, headers, first=d, revision=revision)

@@ -36,6 +36,9 @@ class Endpoint:
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc, 0-1
     load_from_events: bool = False  # engine_queue and kv_usage come from KV events; scrapes leave them
     max_num_seqs: int | None = None  # tandem:engine_max_num_seqs: requests the engine runs at once
+    # What the engine's /health says it is (REVISION_HEADER; "" when it says nothing): KV moves only between
+    # a prefill and a decode engine of one revision.
+    revision: str = ""
 
     def acquire(self, tokens: int) -> None:
         self.in_flight_requests += 1
@@ -46,6 +49,8 @@ class Endpoint:
         self.in_flight_requests -= 1
         self.in_flight_tokens -= tokens
 
+
+REVISION_HEADER = "X-Tandem-Revision"  # on an engine's /health answer (docs/contracts.md)
 
 # Called with (endpoint, admitted) whenever an endpoint is ejected or re-admitted.
 HealthListener = Callable[[Endpoint, bool], None]
@@ -60,8 +65,9 @@ class Pool:
         self.index = PrefixIndex(index_capacity_blocks)
         self.listeners: list[HealthListener] = []
 
-    def healthy(self) -> list[Endpoint]:
-        return [e for e in self.endpoints.values() if e.healthy]
+    def healthy(self, revision: str | None = None) -> list[Endpoint]:
+        """The admitted endpoints (of `revision` only, when given)."""
+        return [e for e in self.endpoints.values() if e.healthy and (revision is None or e.revision == revision)]
 
     def set_urls(self, urls: list[str], healthy: bool) -> None:
         """Make the membership exactly `urls`; new endpoints start with `healthy`, known ones keep state."""

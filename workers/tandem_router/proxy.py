@@ -107,8 +107,10 @@ async def open_upstream(
     method: str = "POST",
     t_start: float | None = None,
     exclude: set[str] | None = None,
+    revision: str | None = None,
 ) -> Upstream:
-    """Try endpoints of `pool` (but not those in `exclude`) until one answers with a status worth relaying."""
+    """Try endpoints of `pool` (but not those in `exclude`; only those of `revision` when given) until one
+    answers with a status worth relaying."""
     metrics = router.metrics
     role = pool.role.value
     tokens = rreq.load_tokens if tokens is None else tokens
@@ -117,7 +119,7 @@ async def open_upstream(
     for attempt in range(router.config.max_attempts):
         decision = first if attempt == 0 and first is not None and first.endpoint.healthy else None
         if decision is None:
-            candidates = sorted((e for e in pool.healthy() if e.url not in tried), key=lambda e: e.url)
+            candidates = sorted((e for e in pool.healthy(revision) if e.url not in tried), key=lambda e: e.url)
             candidates = router.admission.under_cap(candidates)
             if not candidates:
                 break

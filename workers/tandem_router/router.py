@@ -61,6 +61,7 @@ class Router:
             pool.listeners.append(self._on_health_change)
         self.admission = Admission(self)
         self.health = HealthChecker(self)
+        self.revisions: set[str] = set()  # every engine revision seen, for the log
         self.discovery: Discovery = make_discovery(config)
         self._session: aiohttp.ClientSession | None = None
 
@@ -170,6 +171,25 @@ class Router:
             d.matched_blocks = view.matches.get(d.endpoint.url, 0)
             self.metrics.prefix_hit_ratio.labels(role).observe(view.cached_fraction(d.endpoint.url, rreq.prompt_tokens))
         return d
+
+    def note_revision(self, ep: Endpoint, revision: str) -> None:
+        """What an engine's /health said it is (an engine restarted under the same address may say otherwise)."""
+        if revision != ep.revision:
+            ep.revision = revision
+            if revision not in self.revisions:
+                self.revisions.add(revision)
+                logger.info("[revision] %s endpoint %s serves revision %r (revisions seen: %s)", ep.role.value,
+                            ep.url, revision, ", ".join(repr(r) for r in sorted(self.revisions)))
+
+    def paired(self, decodes: list[Endpoint]) -> list[Endpoint]:
+        """The decode candidates a request may go to: in P/D, those of a revision that has an admitted prefill
+        endpoint (so its prompt can move between engines of one revision), unless there are none."""
+        revisions = {e.revision for e in self.prefill.healthy()}
+        return [e for e in decodes if e.revision in revisions] or decodes
+
+    def revision_up(self, pool: Pool, revision: str, exclude: set[str]) -> str | None:
+        """`revision` while `pool` has an admitted endpoint of it outside `exclude`, else None (any will do)."""
+        return revision if any(e.url not in exclude for e in pool.healthy(revision)) else None
 
     def acquire(self, ep: Endpoint, tokens: int) -> None:
         ep.acquire(tokens)

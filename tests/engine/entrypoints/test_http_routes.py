@@ -4,7 +4,9 @@ shape of answers from routes that do not exist or fail."""
 from __future__ import annotations
 
 import httpx
+import prometheus_client
 
+from tandem_engine.entrypoints.api_server import REVISION_HEADER, build_app
 from tandem_engine.frontend.interface import EngineDeadError
 from tandem_router.hashing import BLOCK_HASH_SPEC
 from tandem_router.tokenizer import PromptTokenizer
@@ -16,7 +18,8 @@ async def test_models_health_metrics(client: httpx.AsyncClient, engine: ToyEngin
     assert models["object"] == "list"
     assert [(m["id"], m["max_model_len"], m["object"]) for m in models["data"]] == [(MODEL, 64, "model")]
 
-    assert (await client.get("/health")).status_code == 200
+    health = await client.get("/health")
+    assert health.status_code == 200 and REVISION_HEADER not in health.headers  # no --revision given
     engine.ready = False  # draining
     assert (await client.get("/health")).status_code == 503
     engine.ready, engine.dead = True, EngineDeadError("gone")
@@ -85,3 +88,12 @@ async def test_bug_is_500_in_openai_shape(client: httpx.AsyncClient) -> None:
     assert_error(resp, 500)
     assert resp.json()["error"]["message"] == "Internal server error"  # no internals leak
     assert resp.json()["error"]["type"] == "InternalServerError"  # as vLLM names it, one "Error"
+
+
+async def test_health_tells_routers_the_engine_revision(engine: ToyEngine) -> None:
+    app = build_app(engine, prometheus_client.CollectorRegistry(), revision="3f9a0c7e21b4")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        assert (await c.get("/health")).headers[REVISION_HEADER] == "3f9a0c7e21b4"
+        engine.ready = False  # draining: still says which revision it is
+        health = await c.get("/health")
+        assert health.status_code == 503 and health.headers[REVISION_HEADER] == "3f9a0c7e21b4"

@@ -170,9 +170,10 @@ class EngineCoreProc:
             self._abort_all()
         else:
             start, end = self._leases_at_start, self._leases()
-            logger.info("[drain] engine %d drained in %.1fs: %d leases released, %d expired while it waited",
-                        self.engine_index, time.monotonic() - self._drain_start, end.released - start.released,
-                        end.expired - start.expired)
+            logger.info("[drain] engine %d drained in %.1fs: %d leases released, %d expired while it waited "
+                        "(%d released, %d expired since it started)", self.engine_index,
+                        time.monotonic() - self._drain_start, end.released - start.released,
+                        end.expired - start.expired, end.released, end.expired)
         self._draining = False
         return False
 

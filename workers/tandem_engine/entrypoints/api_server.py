@@ -41,9 +41,13 @@ logger = logging.getLogger(__name__)
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+REVISION_HEADER = "X-Tandem-Revision"
+
+
 def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistry,
-              kv_events: dict[str, object] | None = None) -> FastAPI:
-    """`kv_events`: what `GET /kv_events` tells routers (EngineConfig.kv_events_info); none: not published."""
+              kv_events: dict[str, object] | None = None, revision: str = "") -> FastAPI:
+    """`kv_events`: what `GET /kv_events` tells routers (EngineConfig.kv_events_info); none: not published.
+    `revision`: sent with every /health answer, for routers that pair prefill and decode engines by it."""
     app = FastAPI(title="tandem engine", docs_url=None, redoc_url=None, openapi_url=None)
     completions = CompletionServing(engine)
     chat = ChatServing(engine)
@@ -63,7 +67,8 @@ def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistr
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_ready else 503)
+        headers = {REVISION_HEADER: revision} if revision else None
+        return Response(status_code=200 if engine.is_ready else 503, headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", help="debug, info, warning or error")
     server.add_argument("--ready-timeout", dest="ready_timeout_s", type=float, default=d.ready_timeout_s,
                         help="seconds to wait for every EngineCore's READY")
+    server.add_argument("--revision", default=d.revision,
+                        help="this engine's revision, reported by /health (X-Tandem-Revision): routers move KV only "
+                             "between a prefill and a decode engine of one revision")
     server.add_argument("--drain-seconds", type=_non_negative, default=d.drain_seconds,
                         help="after SIGTERM, how long requests in flight and KV leases held for decode "
                              "engines may keep the server up")
@@ -184,7 +187,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     except BaseException:
         core.terminate()  # the engines must not outlive a frontend that failed to start
         raise
-    app = build_app(engine, engine.metrics.registry, config.kv_events_info())
+    app = build_app(engine, engine.metrics.registry, config.kv_events_info(), config.revision)
     server = server_class(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          timeout_graceful_shutdown=config.drain_seconds, access_log=False))
     exit_code = 0
