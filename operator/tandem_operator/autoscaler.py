@@ -54,7 +54,9 @@ async def scrape(client: KubeClient, session: aiohttp.ClientSession, spec: Infer
         return await client.ready_endpoints(ns, workload_name(spec.name, role))
 
     roles = (Component.ROUTER, Component.DECODE, *((Component.PREFILL,) if spec.disaggregated else ()))
-    router, decode, *rest = await asyncio.gather(*(pods(role) for role in roles))
+    # One after the other, in the caller's task (a few ms each): a list that fails, e.g. as the operator
+    # exits and closes the API client, fails there, and leaves no task of its own behind to fail later.
+    router, decode, *rest = [await pods(role) for role in roles]
     prefill = rest[0] if rest else None
     at = time.monotonic()
     texts = await asyncio.gather(_texts(session, router, spec.router.port), _texts(session, decode, spec.engine.port),
@@ -121,7 +123,12 @@ class Autoscaler:
         """Tick every `intervalSeconds` until kopf stops the daemon (autoscaling removed, or deleted)."""
         async with aiohttp.ClientSession() as session:
             while not stopped:
-                interval = await self.tick(session, body)
+                try:
+                    interval = await self.tick(session, body)
+                except Exception:
+                    if stopped or self.client.closed:  # the operator is exiting: its client closed under this tick
+                        return
+                    raise
                 await stopped.wait(interval)
 
     async def tick(self, session: aiohttp.ClientSession, body: kopf.Body) -> float:

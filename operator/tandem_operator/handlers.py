@@ -17,6 +17,7 @@ import kopf
 from tandem_operator import GROUP, KIND, PLURAL, VERSION
 from tandem_operator.autoscaler import Autoscaler
 from tandem_operator.kube import KubeClient
+from tandem_operator.kv_verification import Verifier
 from tandem_operator.naming import LABEL_ISVC
 from tandem_operator.reconcile import ChildKey, Reconciler
 from tandem_operator.resources import owner_of
@@ -137,6 +138,20 @@ async def autoscale(
     """While `spec.autoscaling` is set: the planner's loop (autoscaler.py); kopf stops it when the field
     goes or the service is deleted, and starts it again after an operator restart."""
     await Autoscaler(memo["client"], str(namespace), name).run(body, stopped)
+
+
+def _disaggregated(spec: kopf.Spec, **_: Any) -> bool:
+    prefill = spec.get("prefill")  # as spec.py reads it: a prefill section is enabled unless it says otherwise
+    return prefill is not None and bool(prefill.get("enabled", True))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="kv-verifier", when=_disaggregated, cancellation_timeout=10)
+async def verify_kv(
+    body: kopf.Body, namespace: str | None, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+) -> None:
+    """While prefill is enabled: the KVTransferVerified condition from the engines' counters
+    (kv_verification.py)."""
+    await Verifier(memo["client"], str(namespace), name).run(body, stopped)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

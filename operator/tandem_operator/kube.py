@@ -59,6 +59,7 @@ class KubeClient:
     """One connection pool for the whole operator process."""
 
     def __init__(self, api_client: k8s.ApiClient) -> None:
+        self.closed = False  # the operator is exiting: loops still running must end, not fail
         self.api_client = api_client
         self._apis: dict[type[Any], Any] = {}
         self.custom = k8s.CustomObjectsApi(api_client)
@@ -77,6 +78,7 @@ class KubeClient:
         return cls(k8s.ApiClient(configuration))
 
     async def close(self) -> None:
+        self.closed = True
         await self.api_client.close()  # type: ignore[no-untyped-call]
 
     def _method(self, kind: str, verb: str) -> Any:

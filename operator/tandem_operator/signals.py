@@ -37,6 +37,8 @@ class EngineSample:
     ttft: Buckets
     itl: Buckets
     held_blocks: float = 0.0  # prefill: KV blocks held under a lease for decode engines to read
+    kv_received_blocks: float = 0.0  # decode: counter, blocks read from prefill engines
+    kv_failures: float = 0.0  # decode: counter, KV loads that failed
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class RouterSample:
     in_flight: float  # admitted + waiting for admission
     held: float  # requests held while no engine is ready (0 when the router does not export it)
     ttft: Buckets
+    pd_decisions: tuple[tuple[str, float], ...] = ()  # counters: P/D decision -> requests
+
+    def decisions(self, *names: str) -> float:
+        return sum(v for k, v in self.pd_decisions if k in names)
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ def parse_engine(text: str) -> EngineSample:
         ttft=_buckets(s, ENGINE_TTFT),
         itl=_buckets(s, ENGINE_ITL),
         held_blocks=_total(s, "tandem:kv_blocks_held_for_transfer"),
+        kv_received_blocks=_total(s, "tandem:kv_transfer_received_blocks_total"),
+        kv_failures=_total(s, "tandem:kv_transfer_failures_total"),
     )
 
 
@@ -180,6 +188,8 @@ def parse_router(text: str) -> RouterSample:
         in_flight=_total(s, "tandem:router_admitted_requests") + _total(s, "tandem:router_queued_requests"),
         held=_total(s, "tandem:router_requests_held"),
         ttft=_buckets(s, ROUTER_TTFT),
+        pd_decisions=tuple(sorted((labels.get("decision", ""), v)
+                                  for labels, v in s.get("tandem:router_pd_decisions_total", ()))),
     )
 
 
@@ -244,6 +254,11 @@ def _deltas(
         if sample is not None and before is not None:
             pairs.append((before, sample))
     return pairs
+
+
+def increase(prev: Mapping[str, S | None] | None, now: Mapping[str, S | None], counter: Callable[[S], float]) -> float:
+    """A counter's increase between two scrapes, summed over the pods that answered both."""
+    return sum(_increase(counter(a), counter(b)) for a, b in _deltas(prev, now))
 
 
 def _rate(pairs: list[tuple[S, S]], counter: Callable[[S], float], seconds: float | None) -> float | None:

@@ -8,6 +8,7 @@ summarises the per-role conditions. There is no `phase`.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from tandem_operator.resources import router_url
 from tandem_operator.spec import InferenceServiceSpec
 
 CONDITION_TYPES = ("PrefillReady", "DecodeReady", "RouterReady", "Ready")
+# Written by its own loop from the engines' counters (kv_verification.py); reconciles keep it as it is.
+KV_CONDITION = "KVTransferVerified"
 ROLE_CONDITION = {Component.PREFILL: "PrefillReady", Component.DECODE: "DecodeReady", Component.ROUTER: "RouterReady"}
 
 
@@ -107,6 +110,12 @@ def _condition(
     }
 
 
+def kv_condition(ok: bool | None, reason: str, message: str, generation: int,
+                 old: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The KVTransferVerified condition, its transition time kept while its status does not change."""
+    return _condition(KV_CONDITION, ok, reason, message, generation, {KV_CONDITION: dict(old)} if old else {})
+
+
 def _previous(current_status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         c["type"]: c for c in current_status.get("conditions") or [] if isinstance(c, dict) and "type" in c
@@ -165,6 +174,10 @@ def compute_status(
                 previous,
             )
         )
+    if spec.disaggregated:
+        conditions.append(previous.get(KV_CONDITION) or _condition(
+            KV_CONDITION, None, "AwaitingTransfers", "no long prompt has gone through a prefill engine yet",
+            generation, previous))
     roles = {role: {**s.as_status(), "selector": _selector(spec.name, role)} for role, s in states.items()}
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -186,7 +199,7 @@ def invalid_status(problems: list[str], generation: int, current_status: dict[st
     """Status for a spec the operator refuses: `Ready` is False with reason InvalidSpec; children are kept."""
     previous = _previous(current_status)
     message = "; ".join(problems)
-    conditions = [c for t, c in previous.items() if t in ROLE_CONDITION.values()]
+    conditions = [c for t, c in previous.items() if t in (*ROLE_CONDITION.values(), KV_CONDITION)]
     conditions.append(_condition("Ready", False, "InvalidSpec", message, generation, previous))
     return {"observedGeneration": generation, "conditions": conditions}
 

@@ -616,6 +616,38 @@ def test_both_pools_scale_down_under_load_and_nothing_is_lost(env: Env, tmp_path
     assert env.get("tisvc", name, "-n", ns)["spec"]["prefill"]["replicas"] == 1
 
 
+def test_kv_transfer_verified_follows_what_the_engines_count(env: Env) -> None:
+    """KVTransferVerified comes from the router's and the engines' own counters, judged every 15 s: True while
+    long prompts move KV from prefill to decode; False (NoPrefillEngine), with a Warning Event, within two
+    intervals once no prefill engine is left to send them to; True again once one is back."""
+    ns, name = "pd", "smollm2-pd"
+    (router,) = env.ready_pods(ns, name, "router")
+    sent = iter(range(100_000))
+
+    def verified() -> tuple[str, str]:
+        """A long prompt no engine has seen goes through the router; then the condition as it stands."""
+        r = httpx.post(env.url(router) + "/v1/completions", timeout=300, json={
+            "model": "smollm2-135m-instruct", "prompt": f"Note {next(sent)}: " + "a long document line. " * 20,
+            "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        c = condition(env.get("tisvc", name, "-n", ns), "KVTransferVerified")
+        return c.get("status", ""), c.get("reason", "")
+
+    eventually(lambda: verified() == ("True", "KVReceived"), 90, "KV moved, but the condition never said so",
+               interval_s=2)
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"prefill": {"replicas": 0}}}))
+    eventually(lambda: not env.pods(ns, name, "prefill"), 120, "prefill did not scale to 0", interval_s=1)
+    eventually(lambda: verified() == ("False", "NoPrefillEngine"), 45,
+               "no prefill engine was up, and the condition did not say so within two intervals", interval_s=2)
+    (warning,) = scaling_events(env, ns, name, "NoPrefillEngine")[:1]
+    assert "prefilled on decode: no prefill engine" in warning, warning
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"prefill": {"replicas": 1}}}))
+    eventually(lambda: verified() == ("True", "KVReceived"), 300, "KV moves again, but the condition stayed False",
+               interval_s=3)
+
+
 def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
     ns, name = "colo", "smollm2"
     apply_example(env, "colocated", ns)

@@ -60,7 +60,8 @@ def test_compute_status_and_stable_transition_times() -> None:
     deps = {Component.PREFILL: dep(1, 1), Component.DECODE: dep(2, 1), Component.ROUTER: dep(1, 1)}
     first = compute_status(spec, 5, deps, {})
     conds = {c["type"]: c for c in first["conditions"]}
-    assert [c["type"] for c in first["conditions"]] == ["PrefillReady", "DecodeReady", "RouterReady", "Ready"]
+    assert [c["type"] for c in first["conditions"]] == ["PrefillReady", "DecodeReady", "RouterReady", "Ready",
+                                                       "KVTransferVerified"]
     assert conds["PrefillReady"]["status"] == "True" and conds["DecodeReady"]["reason"] == "PodsNotReady"
     assert conds["Ready"]["status"] == "False" and "decode: PodsNotReady" in conds["Ready"]["message"]
     assert all(c["observedGeneration"] == 5 for c in first["conditions"])

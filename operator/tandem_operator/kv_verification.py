@@ -1,0 +1,138 @@
+"""`KVTransferVerified`: whether KV actually moves from prefill to decode engines, from their own counters.
+
+A P/D service can look healthy while it runs as decode-only (every prompt prefilled again on decode) or
+while every KV load fails; both are what users of disaggregated serving report most. Each tick compares two
+scrapes (signals.py) of the router (`tandem:router_pd_decisions_total`) and the decode engines
+(`tandem:kv_transfer_received_blocks_total`, `tandem:kv_transfer_failures_total`) and judges the interval:
+
+- False `TransferFailed`: KV loads failed on decode engines;
+- False `PrefillFallingBack`: more than a fifth of the prompts sent to prefill came back to decode
+  (the prefill leg failed or returned nothing) and were prefilled there;
+- False `NoPrefillEngine`: long prompts were prefilled on decode because no prefill engine was up (of
+  their revision), and none went through one;
+- False `NoKVReceived`: prompts went through a prefill engine, but decode engines received no block;
+- True `KVReceived`: decode engines received blocks, and none of the above;
+- nothing (the condition stays as it is) when no long prompt came.
+
+The daemon (`Verifier`) writes the condition and, on every change, an Event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+from tandem_operator.autoscaler import scrape
+from tandem_operator.kube import KubeClient, KubeError
+from tandem_operator.signals import Scrape, increase
+from tandem_operator.spec import SpecError, parse_spec
+from tandem_operator.status import KV_CONDITION, kv_condition
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_SECONDS = 15.0
+FALLBACK_RATIO = 0.2
+MIN_REMOTE = 2  # prompts through prefill with no block received before that counts (one may be a full cache hit)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+    message: str
+
+
+def judge(prev: Scrape | None, now: Scrape) -> Verdict | None:
+    """The interval between two scrapes, judged; None when it says nothing (no prompt went remote or fell back)."""
+    if prev is None or now.prefill is None:
+        return None
+    seconds = now.time - prev.time
+    received = increase(prev.decode, now.decode, lambda s: s.kv_received_blocks)
+    failures = increase(prev.decode, now.decode, lambda s: s.kv_failures)
+
+    def decided(*names: str) -> float:
+        return increase(prev.router, now.router, lambda s: s.decisions(*names))
+
+    remote, fallback = decided("remote"), decided("local_fallback")
+    no_prefill = decided("local_no_prefill", "local_no_prefill_of_revision")
+    window = f"in the last {seconds:.0f} s"
+    if failures:
+        return Verdict(False, "TransferFailed", f"{failures:.0f} KV loads failed on decode engines {window} "
+                       f"({received:.0f} blocks received): see the decode engines' logs ([handshake], [load])")
+    if remote + fallback and fallback / (remote + fallback) > FALLBACK_RATIO:
+        return Verdict(False, "PrefillFallingBack", f"{fallback:.0f} of {remote + fallback:.0f} prompts sent to "
+                       f"prefill {window} were prefilled on decode instead (the prefill leg failed or returned no "
+                       "kv_transfer_params): see the router's log")
+    if no_prefill and not remote:
+        return Verdict(False, "NoPrefillEngine", f"{no_prefill:.0f} long prompts {window} were prefilled on decode: "
+                       "no prefill engine (of their revision) was up")
+    if remote >= MIN_REMOTE and not received:
+        return Verdict(False, "NoKVReceived", f"{remote:.0f} prompts went through a prefill engine {window}, but "
+                       "decode engines received no KV block: they computed the prompts again")
+    if received:
+        return Verdict(True, "KVReceived", f"decode engines received {received:.0f} KV blocks from prefill "
+                       f"engines {window} ({remote:.0f} prompts prefilled remotely)")
+    return None
+
+
+class Verifier:
+    """The loop of one P/D InferenceService, every autoscaling interval (15 s without autoscaling)."""
+
+    def __init__(self, client: KubeClient, namespace: str, name: str) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.name = name
+        self.previous: Scrape | None = None
+
+    async def run(self, body: kopf.Body, stopped: kopf.DaemonStopped) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stopped:
+                try:
+                    interval = await self.tick(session, body)
+                except Exception:
+                    if stopped or self.client.closed:  # the operator is exiting: its client closed under this tick
+                        return
+                    raise
+                await stopped.wait(interval)
+
+    async def tick(self, session: aiohttp.ClientSession, body: kopf.Body) -> float:
+        try:
+            spec = parse_spec(dict(body))
+        except SpecError:
+            return DEFAULT_INTERVAL_SECONDS
+        interval = float(spec.autoscaling.interval_seconds) if spec.autoscaling else DEFAULT_INTERVAL_SECONDS
+        if not spec.disaggregated:
+            return interval
+        try:
+            now = await scrape(self.client, session, spec)
+        except KubeError as exc:
+            logger.warning("[kv-verify] %s/%s: reading EndpointSlices failed: %s", self.namespace, self.name, exc)
+            return interval
+        verdict = judge(self.previous, now)
+        self.previous = now
+        if verdict is not None:
+            await self.write(body, verdict, int((body.get("metadata") or {}).get("generation") or 0))
+        return interval
+
+    async def write(self, body: kopf.Body, verdict: Verdict, generation: int) -> None:
+        conditions: list[Mapping[str, Any]] = list((body.get("status") or {}).get("conditions") or [])
+        old = next((c for c in conditions if c.get("type") == KV_CONDITION), None)
+        new = kv_condition(verdict.ok, verdict.reason, verdict.message, generation, old)
+        if old is not None and (old.get("status"), old.get("reason")) == (new["status"], new["reason"]):
+            return  # the same judgement: no write (the message's figures change every interval)
+        merged = [c for c in conditions if c.get("type") != KV_CONDITION] + [new]
+        try:
+            await self.client.patch_isvc_status(self.namespace, self.name, {"conditions": merged})
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            return
+        kopf.event(body, type="Normal" if verdict.ok else "Warning", reason=verdict.reason,
+                   message=verdict.message[:1000])
+        logger.info("[kv-verify] %s/%s %s=%s %s: %s", self.namespace, self.name, KV_CONDITION, new["status"],
+                    verdict.reason, verdict.message)
