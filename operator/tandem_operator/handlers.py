@@ -140,17 +140,12 @@ async def autoscale(
     await Autoscaler(memo["client"], str(namespace), name).run(body, stopped)
 
 
-def _disaggregated(spec: kopf.Spec, **_: Any) -> bool:
-    prefill = spec.get("prefill")  # as spec.py reads it: a prefill section is enabled unless it says otherwise
-    return prefill is not None and bool(prefill.get("enabled", True))
-
-
-@kopf.daemon(GROUP, VERSION, PLURAL, id="kv-verifier", when=_disaggregated, cancellation_timeout=10)
+@kopf.daemon(GROUP, VERSION, PLURAL, id="kv-verifier", cancellation_timeout=10)
 async def verify_kv(
     body: kopf.Body, namespace: str | None, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
 ) -> None:
-    """While prefill is enabled: the KVTransferVerified condition from the engines' counters
-    (kv_verification.py)."""
+    """status.revisions, and on a P/D service the KVTransferVerified condition, from the router's and the
+    engines' counters (kv_verification.py)."""
     await Verifier(memo["client"], str(namespace), name).run(body, stopped)
 
 

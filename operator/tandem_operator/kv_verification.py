@@ -1,4 +1,5 @@
-"""`KVTransferVerified`: whether KV actually moves from prefill to decode engines, from their own counters.
+"""`KVTransferVerified`: whether KV actually moves from prefill to decode engines, from their own counters;
+and `status.revisions`: which engine revisions serve, and their share of the requests.
 
 A P/D service can look healthy while it runs as decode-only (every prompt prefilled again on decode) or
 while every KV load fails; both are what users of disaggregated serving report most. Each tick compares two
@@ -14,7 +15,9 @@ scrapes (signals.py) of the router (`tandem:router_pd_decisions_total`) and the 
 - True `KVReceived`: decode engines received blocks, and none of the above;
 - nothing (the condition stays as it is) when no long prompt came.
 
-The daemon (`Verifier`) writes the condition and, on every change, an Event.
+The daemon (`Verifier`, one per InferenceService) writes the condition and, on every change, an Event; and
+`status.revisions` from the routers' `tandem:router_revision_endpoints` and
+`tandem:router_revision_requests_total` (a rollout shows two revisions, then one), when it changed.
 """
 
 from __future__ import annotations
@@ -80,6 +83,31 @@ def judge(prev: Scrape | None, now: Scrape) -> Verdict | None:
     return None
 
 
+def revisions(prev: Scrape | None, now: Scrape) -> list[dict[str, Any]]:
+    """`status.revisions`: each engine revision the routers admit, with its prefill and decode endpoints and
+    its share of the requests routed in the interval (left out when none were); "" is an engine that sends
+    no revision."""
+    endpoints: dict[str, dict[str, int]] = {}
+    for sample in now.router.values():
+        for role, revision, n in sample.revision_endpoints if sample else ():
+            roles = endpoints.setdefault(revision, {})
+            roles[role] = max(roles.get(role, 0), int(n))  # every router replica sees every endpoint
+    sent = {rev: increase(prev.router if prev else None, now.router,
+                          lambda s, rev=rev: sum(v for r, v in s.revision_requests if r == rev))
+            for rev in endpoints}
+    total = sum(sent.values())
+    out = []
+    for revision, roles in sorted(endpoints.items()):
+        if not any(roles.values()):
+            continue
+        entry: dict[str, Any] = {"revision": revision, "prefill": roles.get("prefill", 0),
+                                 "decode": roles.get("decode", 0)}
+        if total:
+            entry["requestShare"] = round(sent[revision] / total, 2)
+        out.append(entry)
+    return out
+
+
 class Verifier:
     """The loop of one P/D InferenceService, every autoscaling interval (15 s without autoscaling)."""
 
@@ -106,18 +134,27 @@ class Verifier:
         except SpecError:
             return DEFAULT_INTERVAL_SECONDS
         interval = float(spec.autoscaling.interval_seconds) if spec.autoscaling else DEFAULT_INTERVAL_SECONDS
-        if not spec.disaggregated:
-            return interval
         try:
             now = await scrape(self.client, session, spec)
         except KubeError as exc:
             logger.warning("[kv-verify] %s/%s: reading EndpointSlices failed: %s", self.namespace, self.name, exc)
             return interval
-        verdict = judge(self.previous, now)
+        verdict, serving = judge(self.previous, now), revisions(self.previous, now)
         self.previous = now
+        if now.router and all(now.router.values()) and serving != (body.get("status") or {}).get("revisions"):
+            await self.patch_status({"revisions": serving})
         if verdict is not None:
             await self.write(body, verdict, int((body.get("metadata") or {}).get("generation") or 0))
         return interval
+
+    async def patch_status(self, status: dict[str, Any]) -> bool:
+        try:
+            await self.client.patch_isvc_status(self.namespace, self.name, status)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            return False
+        return True
 
     async def write(self, body: kopf.Body, verdict: Verdict, generation: int) -> None:
         conditions: list[Mapping[str, Any]] = list((body.get("status") or {}).get("conditions") or [])
@@ -126,11 +163,7 @@ class Verifier:
         if old is not None and (old.get("status"), old.get("reason")) == (new["status"], new["reason"]):
             return  # the same judgement: no write (the message's figures change every interval)
         merged = [c for c in conditions if c.get("type") != KV_CONDITION] + [new]
-        try:
-            await self.client.patch_isvc_status(self.namespace, self.name, {"conditions": merged})
-        except KubeError as exc:
-            if exc.status != 404:
-                raise
+        if not await self.patch_status({"conditions": merged}):
             return
         kopf.event(body, type="Normal" if verdict.ok else "Warning", reason=verdict.reason,
                    message=verdict.message[:1000])

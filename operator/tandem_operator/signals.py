@@ -48,6 +48,8 @@ class RouterSample:
     held: float  # requests held while no engine is ready (0 when the router does not export it)
     ttft: Buckets
     pd_decisions: tuple[tuple[str, float], ...] = ()  # counters: P/D decision -> requests
+    revision_endpoints: tuple[tuple[str, str, float], ...] = ()  # (role, revision, admitted endpoints)
+    revision_requests: tuple[tuple[str, float], ...] = ()  # counters: revision -> requests sent to decode
 
     def decisions(self, *names: str) -> float:
         return sum(v for k, v in self.pd_decisions if k in names)
@@ -190,6 +192,10 @@ def parse_router(text: str) -> RouterSample:
         ttft=_buckets(s, ROUTER_TTFT),
         pd_decisions=tuple(sorted((labels.get("decision", ""), v)
                                   for labels, v in s.get("tandem:router_pd_decisions_total", ()))),
+        revision_endpoints=tuple(sorted((labels.get("role", ""), labels.get("revision", ""), v)
+                                        for labels, v in s.get("tandem:router_revision_endpoints", ()))),
+        revision_requests=tuple(sorted((labels.get("revision", ""), v)
+                                       for labels, v in s.get("tandem:router_revision_requests_total", ()))),
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from isvc_utils import example
 
-from tandem_operator.kv_verification import judge
+from tandem_operator.kv_verification import judge, revisions
 from tandem_operator.signals import EngineSample, RouterSample, Scrape, parse_engine, parse_router
 from tandem_operator.spec import parse_spec
 from tandem_operator.status import KV_CONDITION, compute_status, invalid_status, kv_condition
@@ -95,3 +95,29 @@ def test_reconciles_keep_the_condition_the_verifier_wrote() -> None:
     assert {c["type"]: c for c in invalid_status(["bad"], 4, current)["conditions"]}[KV_CONDITION] == written
     colocated = {c["type"] for c in status_of(example("colocated"), current)["conditions"]}
     assert KV_CONDITION not in colocated
+
+
+def router_at(endpoints: dict[tuple[str, str], int], requests: dict[str, float]) -> RouterSample:
+    return RouterSample(requests=0.0, in_flight=0.0, held=0.0, ttft=(),
+                        revision_endpoints=tuple(sorted((role, rev, float(n)) for (role, rev), n in endpoints.items())),
+                        revision_requests=tuple(sorted(requests.items())))
+
+
+def test_revisions_show_what_serves_during_a_rollout_and_each_ones_share() -> None:
+    old = {("prefill", "r1"): 1, ("decode", "r1"): 2}
+    before = Scrape(time=0.0, router={"a": router_at(old, {"r1": 100}), "b": router_at(old, {"r1": 40})}, decode={})
+    assert revisions(None, before) == [{"revision": "r1", "prefill": 1, "decode": 2}]  # no interval: no share
+    rolling = {("prefill", "r1"): 1, ("decode", "r1"): 1, ("prefill", "r2"): 1, ("decode", "r2"): 1}
+    mid = Scrape(time=15.0, router={"a": router_at(rolling, {"r1": 110, "r2": 10}),
+                                    "b": router_at(rolling, {"r1": 45, "r2": 25})}, decode={})
+    assert revisions(before, mid) == [{"revision": "r1", "prefill": 1, "decode": 1, "requestShare": 0.3},
+                                      {"revision": "r2", "prefill": 1, "decode": 1, "requestShare": 0.7}]
+    done = {("prefill", "r1"): 0, ("decode", "r1"): 0, ("prefill", "r2"): 1, ("decode", "r2"): 2}
+    after = Scrape(time=30.0, router={"a": router_at(done, {"r1": 110, "r2": 40}),
+                                      "b": router_at(done, {"r1": 45, "r2": 35})}, decode={})
+    assert revisions(mid, after) == [{"revision": "r2", "prefill": 1, "decode": 2, "requestShare": 1.0}]
+    text = ('tandem:router_admitted_requests 0\n'
+            'tandem:router_revision_endpoints{role="decode",revision="r2"} 2\n'
+            'tandem:router_revision_requests_total{revision="r2"} 9\n')
+    assert parse_router(text).revision_endpoints == (("decode", "r2", 2.0),)
+    assert parse_router(text).revision_requests == (("r2", 9.0),)

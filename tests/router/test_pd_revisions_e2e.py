@@ -88,6 +88,12 @@ async def test_prefill_and_decode_pair_within_one_revision(stack: dict[str, Chil
     for d in decodes:
         assert scrape(d.url, "tandem:kv_transfer_failures_total") == 0, d.name
         assert scrape(d.url, "tandem:kv_transfer_received_blocks_total") > 0, d.name  # both revisions served
+    # What an operator reads of the router: endpoints and requests per revision.
+    for role in ("prefill", "decode"):
+        for rev in ("a", "b"):
+            assert scrape(router.url, "tandem:router_revision_endpoints", role=role, revision=rev) == 1
+    shares = [scrape(router.url, "tandem:router_revision_requests_total", revision=rev) for rev in ("a", "b")]
+    assert sum(shares) == N and min(shares) > 0, shares
     # Each answer is what the decode engine of one revision computes for the prompt itself (greedy, float32).
     for i, (_, text) in enumerate(results):
         assert text in {own_answer(d, i) for d in decodes}, i
@@ -97,6 +103,7 @@ async def test_prefill_and_decode_pair_within_one_revision(stack: dict[str, Chil
     received_b = scrape(stack["decode-b"].url, "tandem:kv_transfer_received_blocks_total")
     stack["prefill-b"].stop()
     await asyncio.sleep(1.5)  # the health checks eject it
+    assert scrape(router.url, "tandem:router_revision_endpoints", role="prefill", revision="b") == 0
     results = await run(router, N)
     assert [s for s, _ in results] == [200] * N, results
     assert decisions(router, "remote") == 2 * N

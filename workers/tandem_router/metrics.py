@@ -114,6 +114,14 @@ class RouterMetrics:
         self.in_flight_tokens = gauge("tandem:router_in_flight_tokens",
                                       "Estimated prompt + max output tokens in flight per endpoint")
         self.healthy = gauge("tandem:router_endpoint_healthy", "1 when the endpoint is admitted")
+        # Revisions (an engine's /health X-Tandem-Revision; "" when it sends none): what serves while a rollout
+        # runs, and the share of requests each takes.
+        self.revision_endpoints = Labelled(Gauge(
+            "tandem:router_revision_endpoints", "Admitted endpoints per pool role and engine revision",
+            ("role", "revision"), registry=r))
+        self.revision_requests = counter(
+            "tandem:router_revision_requests_total", ("revision",),
+            "Requests (and resumed streams) sent to a decode or colocated engine, by the engine's revision")
 
     def _counter(self, name: str, labels: tuple[str, ...], doc: str) -> Labelled[Counter]:
         return Labelled(Counter(name, doc, labels, registry=self.registry))

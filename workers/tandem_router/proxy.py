@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from tandem_router.policies import Decision, RoutingRequest
-from tandem_router.pool import Endpoint, Pool
+from tandem_router.pool import Endpoint, Pool, PoolKind
 
 if TYPE_CHECKING:
     from tandem_router.router import Router
@@ -166,6 +166,8 @@ async def open_upstream(
                               resp.headers.get("Retry-After"))
             continue
         pool.index.insert(ep.url, rreq.block_hashes)
+        if pool.role is PoolKind.DECODE:
+            metrics.revision_requests.labels(ep.revision).inc()
         return Upstream(decision, resp, tokens, router)
     raise last
 

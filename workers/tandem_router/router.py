@@ -62,6 +62,7 @@ class Router:
         self.admission = Admission(self)
         self.health = HealthChecker(self)
         self.revisions: set[str] = set()  # every engine revision seen, for the log
+        self._revision_keys: set[tuple[str, str]] = set()  # (role, revision) ever exported
         self.discovery: Discovery = make_discovery(config)
         self._session: aiohttp.ClientSession | None = None
 
@@ -180,6 +181,17 @@ class Router:
                 self.revisions.add(revision)
                 logger.info("[revision] %s endpoint %s serves revision %r (revisions seen: %s)", ep.role.value,
                             ep.url, revision, ", ".join(repr(r) for r in sorted(self.revisions)))
+            self._export_revisions()
+
+    def _export_revisions(self) -> None:
+        """`tandem:router_revision_endpoints`: admitted endpoints per role and revision (0 once none is left)."""
+        counts: dict[tuple[str, str], int] = {}
+        for pool in (self.decode, self.prefill):
+            for ep in pool.healthy():
+                counts[ep.role.value, ep.revision] = counts.get((ep.role.value, ep.revision), 0) + 1
+        self._revision_keys |= set(counts)
+        for key in self._revision_keys:
+            self.metrics.revision_endpoints.labels(*key).set(counts.get(key, 0))
 
     def paired(self, decodes: list[Endpoint]) -> list[Endpoint]:
         """The decode candidates a request may go to: in P/D, those of a revision that has an admitted prefill
@@ -206,6 +218,7 @@ class Router:
 
     def _on_health_change(self, ep: Endpoint, admitted: bool) -> None:
         self.metrics.healthy.labels(ep.role.value, ep.url).set(1 if admitted else 0)
+        self._export_revisions()
         if not admitted:
             self.health.poke()  # new or ejected: check it now rather than at the next interval
         if self.follows_kv_events and self._session is not None:
