@@ -7,6 +7,7 @@ Order matters within this module: the CRD and the operator are installed once, t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -540,6 +541,38 @@ def test_the_planner_grows_prefill_when_prompts_grow(env: Env) -> None:
            json.dumps({"spec": {"autoscaling": None}}))
 
 
+@contextlib.contextmanager
+def steady_load(url: str, workers: int = 4) -> Iterator[list[str]]:
+    """Streamed P/D completions (prompts new to every engine, 16 tokens each) through the router at `url`, one
+    after the other on each of `workers` threads, until the block ends; yields the outcomes so far ("ok" for a
+    whole answer, else what broke)."""
+    stop, results = threading.Event(), []
+
+    def load(worker: int) -> None:
+        for k in range(100_000):
+            if stop.is_set():
+                return
+            prompt = f"Request {worker}.{k}: " + "the quick brown fox jumps over the lazy dog. " * 12
+            body = {"model": "smollm2-135m-instruct", "max_tokens": 16, "ignore_eos": True, "temperature": 0,
+                    "stream": True, "prompt": prompt}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            events = [json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]"]
+            finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+            broken = r.status_code != 200 or any("error" in e for e in events) or finish != ["length"] \
+                or lines[-1:] != ["data: [DONE]"]
+            results.append(f"broken: {r.status_code} {lines[-3:]}" if broken else "ok")
+
+    with ThreadPoolExecutor(workers) as pool:
+        running = [pool.submit(load, w) for w in range(workers)]
+        try:
+            yield results
+        finally:
+            stop.set()
+            for f in running:
+                f.result(timeout=300)
+
+
 DRAINED = re.compile(r"\[drain\] engine 0 drained in [0-9.]+s: (\d+) leases released, (\d+) expired while it waited "
                      r"\((\d+) released, (\d+) expired since it started\)")
 
@@ -560,38 +593,15 @@ def test_both_pools_scale_down_under_load_and_nothing_is_lost(env: Env, tmp_path
                                        stdout=(tmp_path / f"{pod}.log").open("w"), stderr=subprocess.STDOUT)
                  for pod in engines}
     migrations = metric(url, "tandem:router_migrations_total")
-    stop, results = threading.Event(), []
-
-    def load(worker: int) -> None:
-        for k in range(10_000):
-            if stop.is_set():
-                return
-            prompt = f"Request {worker}.{k}: " + "the quick brown fox jumps over the lazy dog. " * 12
-            body = {"model": "smollm2-135m-instruct", "max_tokens": 16, "ignore_eos": True, "temperature": 0,
-                    "stream": True, "prompt": prompt}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-            events = [json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]"]
-            finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
-            broken = r.status_code != 200 or any("error" in e for e in events) or finish != ["length"] \
-                or lines[-1:] != ["data: [DONE]"]
-            results.append(f"broken: {r.status_code} {lines[-3:]}" if broken else "ok")
-
-    with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(load, w) for w in range(4)]
-        try:
-            eventually(lambda: len(results) >= 8, 180, "the load never got going", interval_s=0.5)
-            env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
-                   json.dumps({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}))
-            left = f"{LABEL_ISVC}={name},{LABEL_ROLE} in (prefill,decode)"
-            eventually(lambda: len(env.get("pods", "-n", ns, "-l", left)["items"]) == 2, 180,
-                       "the pools did not shrink to one pod each", interval_s=1)
-            done = len(results)
-            eventually(lambda: len(results) >= done + 4, 120, "the load did not go on on the pods left")
-        finally:
-            stop.set()
-            for f in running:
-                f.result(timeout=300)
+    with steady_load(url) as results:
+        eventually(lambda: len(results) >= 8, 180, "the load never got going", interval_s=0.5)
+        env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+               json.dumps({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}))
+        left = f"{LABEL_ISVC}={name},{LABEL_ROLE} in (prefill,decode)"
+        eventually(lambda: len(env.get("pods", "-n", ns, "-l", left)["items"]) == 2, 180,
+                   "the pools did not shrink to one pod each", interval_s=1)
+        done = len(results)
+        eventually(lambda: len(results) >= done + 4, 120, "the load did not go on on the pods left")
     assert results and all(r == "ok" for r in results), [r for r in results if r != "ok"]
     assert metric(url, "tandem:router_migrations_total") == migrations  # nothing broke, nothing was replayed
     (decode,) = env.ready_pods(ns, name, "decode")
@@ -646,6 +656,50 @@ def test_kv_transfer_verified_follows_what_the_engines_count(env: Env) -> None:
            json.dumps({"spec": {"prefill": {"replicas": 1}}}))
     eventually(lambda: verified() == ("True", "KVReceived"), 300, "KV moves again, but the condition stayed False",
                interval_s=3)
+
+
+def test_a_rollout_kv_cannot_cross_loses_no_request_and_pairs_within_each_revision(env: Env) -> None:
+    """engine.blockSize 16 -> 32 under a steady load of streamed P/D requests: a change no KV can cross (a decode
+    engine refuses blocks of another size), so while old and new pods serve side by side the router must pair
+    each request's prefill and decode within one revision. Every request answers in full, no stream breaks,
+    no KV load fails on any decode engine, and status.revisions shows both revisions, then the new one alone."""
+    ns, name = "pd", "smollm2-pd"
+    # Ticks every 2 s (the planner holds both roles at 1: nothing scales), so that the status sees the overlap.
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"autoscaling": {
+        "prefill": {"minReplicas": 1, "maxReplicas": 1}, "decode": {"minReplicas": 1, "maxReplicas": 1},
+        "intervalSeconds": 2}}}))
+
+    def serving() -> list[str]:
+        return [r["revision"] for r in env.get("tisvc", name, "-n", ns).get("status", {}).get("revisions") or []]
+
+    (old,) = eventually(lambda: len(serving()) == 1 and serving(), 60, "status.revisions never showed the revision")
+    (router,) = env.ready_pods(ns, name, "router")
+    url, seen = env.url(router), []
+    migrations = metric(url, "tandem:router_migrations_total")
+    with steady_load(url) as results:
+        eventually(lambda: len(results) >= 8, 180, "the load never got going", interval_s=0.5)
+        env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+               json.dumps({"spec": {"engine": {"blockSize": 32}}}))
+
+        def rolled() -> bool:
+            seen.append(serving())
+            pods = env.pods(ns, name, "prefill") + env.pods(ns, name, "decode")
+            args = [p["spec"]["containers"][0]["args"] for p in pods]
+            return len(pods) == 2 and all(a[a.index("--block-size") + 1] == "32" for a in args) \
+                and len(seen[-1]) == 1 and seen[-1] != [old]
+
+        eventually(rolled, 300, "the rollout did not finish", interval_s=1)
+        done = len(results)
+        eventually(lambda: len(results) >= done + 4, 120, "the load did not go on on the new revision")
+    assert results and all(r == "ok" for r in results), [r for r in results if r != "ok"]
+    assert metric(url, "tandem:router_migrations_total") == migrations
+    assert any(len(revs) == 2 and old in revs for revs in seen), seen  # both served side by side for a while
+    for pod in env.ready_pods(ns, name, "decode"):
+        assert metric(env.url(pod), "tandem:kv_transfer_failures_total") == 0
+        assert metric(env.url(pod), "tandem:kv_transfer_received_blocks_total") > 0
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"autoscaling": None}}))
+    print("status.revisions during the rollout:", [r for i, r in enumerate(seen) if i == 0 or r != seen[i - 1]])
 
 
 def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
