@@ -134,10 +134,10 @@ class EngineCoreProc:
             # Already leaving (SIGTERM, then the frontend's own ask): the earlier deadline holds.
             self._drain_deadline = min(self._drain_deadline, time.monotonic() + drain_s)
             return
-        self._shutdown.set()
-        self._draining = drain_s > 0
         self._drain_start = time.monotonic()
         self._drain_deadline = self._drain_start + drain_s
+        self._draining = drain_s > 0  # before the flag: the input thread reads on while either says so
+        self._shutdown.set()
         if not self._draining:
             self._abort_all()
             return
