@@ -68,7 +68,9 @@ async def test_a_stopped_prefill_engine_serves_every_held_lease_before_it_exits(
     assert [r.json()["choices"][0]["text"] for r in answers] == refs
     assert d.metric("tandem:kv_transfer_failures_total") == 0
     assert d.metric("tandem:kv_transfer_received_blocks_total") > 0
+    read = time.monotonic()
     assert p.proc.wait(30) == 0
+    assert time.monotonic() - read < 10, "the engine waited out its drain after the last lease was released"
     log = p.log()
     assert "draining for up to 30s: 0 requests open, 3 leases held" in log, log[-3000:]
     assert "3 leases released, 0 expired while it waited" in log, log[-3000:]

@@ -208,7 +208,7 @@ class EngineCoreProc:
         # draining too, at most until the drain's deadline).
         if not self._shutdown.is_set():
             timeout = self.core.wait_timeout()
-        elif self._draining:
+        elif self._draining and (self.core.has_requests or self.core.kv_busy):
             left = max(0.0, self._drain_deadline - time.monotonic())
             wait = self.core.wait_timeout()
             timeout = left if wait is None else min(wait, left)
