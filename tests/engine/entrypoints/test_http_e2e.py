@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -218,3 +219,16 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
     assert wait_for_running(base_url, lambda v: v == 0.0) == 0.0, (
         "the request kept running after the disconnect"
     )
+
+
+def test_an_idle_connection_outlives_the_routers_pool_timeout(base_url: str) -> None:
+    """The router keeps idle connections to an engine for up to 60 s and reuses them: the engine must not
+    close one first (uvicorn's default is 5 s), or the router's next request on it races the close and fails
+    as ServerDisconnectedError. A connection idle for 8 s still answers."""
+    host, port = base_url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "the engine closed an idle connection"
+            time.sleep(8)

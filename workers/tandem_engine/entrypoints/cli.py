@@ -32,6 +32,7 @@ from tandem_engine.config import (
 )
 
 logger = logging.getLogger("tandem_engine.serve")
+KEEP_ALIVE_SECONDS = 75  # above the router's keepalive_timeout (tandem_router/router.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,8 +189,11 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
         core.terminate()  # the engines must not outlive a frontend that failed to start
         raise
     app = build_app(engine, engine.metrics.registry, config.kv_events_info(), config.revision)
+    # Idle connections live longer here than in the router's pool (60 s): a server that closes first races
+    # the router's next request on that connection, which then fails as ServerDisconnectedError.
     server = server_class(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                         timeout_graceful_shutdown=config.drain_seconds, access_log=False))
+                                         timeout_graceful_shutdown=config.drain_seconds, access_log=False,
+                                         timeout_keep_alive=KEEP_ALIVE_SECONDS))
     exit_code = 0
 
     def on_dead(error: EngineDeadError) -> None:
