@@ -2,7 +2,8 @@
 
 The watch uses the official (synchronous) `kubernetes` client on one thread per pool: list, then watch
 from the list's resourceVersion, re-listing after an error or an expired resourceVersion. Only endpoints
-whose `conditions.ready` is not false (unset means ready) and that are not terminating are admitted.
+whose `conditions.ready` is not false (unset means ready) and that are not terminating join a pool; with
+health checks on, each is admitted by its first check (at once), which reads its revision.
 Selectors are also applied on our side, so a server that ignores them cannot widen a pool.
 """
 
@@ -95,7 +96,9 @@ class _SliceWatch:
             return
         urls = sorted({u for us in self.slices.values() for u in us})
         assert self.owner.loop is not None
-        self.owner.loop.call_soon_threadsafe(self.pool.set_urls, urls, True)
+        # With health checks, a new endpoint is admitted by its first (at once: a new endpoint pokes them),
+        # which also tells its revision: it never serves before the router knows what it may be paired with.
+        self.owner.loop.call_soon_threadsafe(self.pool.set_urls, urls, self.owner.config.health_interval <= 0)
 
     def _apply(self, kind: str, obj: Any) -> None:
         name = obj.metadata.name
