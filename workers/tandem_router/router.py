@@ -73,9 +73,11 @@ class Router:
 
     @property
     def pd_mode(self) -> bool:
-        """There is a prefill pool: run the P/D flow (decode prefills locally while none is healthy).
-        With Kubernetes discovery the pool is whatever prefill EndpointSlices exist right now."""
-        return bool(self.prefill.endpoints)
+        """The P/D flow (decode prefills locally while no prefill endpoint is healthy): when the router was
+        given prefill URLs (the operator passes the prefill Service for a P/D service), or there is a prefill
+        pool (with Kubernetes discovery, whatever prefill EndpointSlices exist right now). So a P/D service
+        whose prefill pool is empty still counts what it prefilled on decode (`local_no_prefill`)."""
+        return bool(self.config.prefill_urls) or bool(self.prefill.endpoints)
 
     def pool(self, role: PoolKind) -> Pool:
         return self.prefill if role is PoolKind.PREFILL else self.decode
