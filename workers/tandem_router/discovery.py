@@ -2,8 +2,7 @@
 
 The watch uses the official (synchronous) `kubernetes` client on one thread per pool: list, then watch
 from the list's resourceVersion, re-listing after an error or an expired resourceVersion. Only endpoints
-whose `conditions.ready` is not false (unset means ready) and that are not terminating join a pool; with
-health checks on, each is admitted by its first check (at once), which reads its revision.
+whose `conditions.ready` is not false (unset means ready) and that are not terminating are admitted.
 Selectors are also applied on our side, so a server that ignores them cannot widen a pool.
 """
 
@@ -96,9 +95,9 @@ class _SliceWatch:
             return
         urls = sorted({u for us in self.slices.values() for u in us})
         assert self.owner.loop is not None
-        # With health checks, a new endpoint is admitted by its first (at once: a new endpoint pokes them),
-        # which also tells its revision: it never serves before the router knows what it may be paired with.
-        self.owner.loop.call_soon_threadsafe(self.pool.set_urls, urls, self.owner.config.health_interval <= 0)
+        # Ready per its EndpointSlice: admitted at once (a rollout's new pod must serve the moment the old one
+        # leaves); its revision is unknown, so it is paired with no one, until its first health check (at once).
+        self.owner.loop.call_soon_threadsafe(self.pool.set_urls, urls, True)
 
     def _apply(self, kind: str, obj: Any) -> None:
         name = obj.metadata.name

@@ -108,7 +108,7 @@ async def open_pd(
     if uncached <= router.config.remote_prefill_threshold:
         metrics.pd_decisions.labels("local_short_uncached").inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)
-    if not router.prefill.healthy(revision):  # KV never moves between revisions
+    if revision is None or not router.prefill.healthy(revision):  # KV never moves between revisions
         reason = "local_no_prefill_of_revision" if router.prefill.healthy() else "local_no_prefill"
         metrics.pd_decisions.labels(reason).inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d, t_start=t_start)

@@ -36,9 +36,9 @@ class Endpoint:
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc, 0-1
     load_from_events: bool = False  # engine_queue and kv_usage come from KV events; scrapes leave them
     max_num_seqs: int | None = None  # tandem:engine_max_num_seqs: requests the engine runs at once
-    # What the engine's /health says it is (REVISION_HEADER; "" when it says nothing): KV moves only between
-    # a prefill and a decode engine of one revision.
-    revision: str = ""
+    # What the engine's /health says it is (REVISION_HEADER; "" when it says nothing; None until a health check
+    # has asked): KV moves only between a prefill and a decode engine of one (known) revision.
+    revision: str | None = None
 
     def acquire(self, tokens: int) -> None:
         self.in_flight_requests += 1
@@ -59,14 +59,17 @@ HealthListener = Callable[[Endpoint, bool], None]
 class Pool:
     """The endpoints of one kind (prefill or decode). Discovery sets the membership, health checks set `healthy`."""
 
-    def __init__(self, role: PoolKind, index_capacity_blocks: int) -> None:
+    def __init__(self, role: PoolKind, index_capacity_blocks: int, checked: bool = True) -> None:
+        """`checked`: health checks run and tell each endpoint's revision; without them every endpoint is
+        taken to be of one revision ("")."""
         self.role = role
+        self.checked = checked
         self.endpoints: dict[str, Endpoint] = {}
         self.index = PrefixIndex(index_capacity_blocks)
         self.listeners: list[HealthListener] = []
 
     def healthy(self, revision: str | None = None) -> list[Endpoint]:
-        """The admitted endpoints (of `revision` only, when given)."""
+        """The admitted endpoints (of `revision` only, when one is given)."""
         return [e for e in self.endpoints.values() if e.healthy and (revision is None or e.revision == revision)]
 
     def set_urls(self, urls: list[str], healthy: bool) -> None:
@@ -80,7 +83,7 @@ class Pool:
                 ep.healthy = False
                 self._notify(ep, False)
         for url in sorted(wanted - set(self.endpoints)):
-            ep = Endpoint(url=url, role=self.role, healthy=healthy)
+            ep = Endpoint(url=url, role=self.role, healthy=healthy, revision=None if self.checked else "")
             self.endpoints[url] = ep
             logger.info("[discovery] %s endpoint %s added", self.role.value, url)
             self._notify(ep, healthy)

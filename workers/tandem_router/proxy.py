@@ -166,7 +166,7 @@ async def open_upstream(
                               resp.headers.get("Retry-After"))
             continue
         pool.index.insert(ep.url, rreq.block_hashes)
-        if pool.role is PoolKind.DECODE:
+        if pool.role is PoolKind.DECODE and ep.revision is not None:
             metrics.revision_requests.labels(ep.revision).inc()
         return Upstream(decision, resp, tokens, router)
     raise last

@@ -37,8 +37,9 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.decode = Pool(PoolKind.DECODE, config.index_capacity_blocks)
-        self.prefill = Pool(PoolKind.PREFILL, config.index_capacity_blocks)
+        checked = config.health_interval > 0
+        self.decode = Pool(PoolKind.DECODE, config.index_capacity_blocks, checked)
+        self.prefill = Pool(PoolKind.PREFILL, config.index_capacity_blocks, checked)
         weights = ScoreWeights(config.prefix_weight, config.queue_weight, config.kv_usage_weight,
                                config.min_prefix_fraction, config.cold_queue_slack)
         self.policies: dict[PoolKind, Policy] = {
@@ -190,7 +191,8 @@ class Router:
         counts: dict[tuple[str, str], int] = {}
         for pool in (self.decode, self.prefill):
             for ep in pool.healthy():
-                counts[ep.role.value, ep.revision] = counts.get((ep.role.value, ep.revision), 0) + 1
+                if ep.revision is not None:  # not yet checked: counted once its revision is known
+                    counts[ep.role.value, ep.revision] = counts.get((ep.role.value, ep.revision), 0) + 1
         self._revision_keys |= set(counts)
         for key in self._revision_keys:
             self.metrics.revision_endpoints.labels(*key).set(counts.get(key, 0))
@@ -198,11 +200,13 @@ class Router:
     def paired(self, decodes: list[Endpoint]) -> list[Endpoint]:
         """The decode candidates a request may go to: in P/D, those of a revision that has an admitted prefill
         endpoint (so its prompt can move between engines of one revision), unless there are none."""
-        revisions = {e.revision for e in self.prefill.healthy()}
-        return [e for e in decodes if e.revision in revisions] or decodes
+        revisions = {e.revision for e in self.prefill.healthy() if e.revision is not None}
+        return [e for e in decodes if e.revision is not None and e.revision in revisions] or decodes
 
-    def revision_up(self, pool: Pool, revision: str, exclude: set[str]) -> str | None:
+    def revision_up(self, pool: Pool, revision: str | None, exclude: set[str]) -> str | None:
         """`revision` while `pool` has an admitted endpoint of it outside `exclude`, else None (any will do)."""
+        if revision is None:
+            return None
         return revision if any(e.url not in exclude for e in pool.healthy(revision)) else None
 
     def acquire(self, ep: Endpoint, tokens: int) -> None:
@@ -221,8 +225,8 @@ class Router:
     def _on_health_change(self, ep: Endpoint, admitted: bool) -> None:
         self.metrics.healthy.labels(ep.role.value, ep.url).set(1 if admitted else 0)
         self._export_revisions()
-        if not admitted:
-            self.health.poke()  # new or ejected: check it now rather than at the next interval
+        if not admitted or ep.revision is None:
+            self.health.poke()  # new, ejected or of unknown revision: check it now rather than at the next interval
         if self.follows_kv_events and self._session is not None:
             if admitted:
                 self.kv_feed.attach(self._session, ep.url)
