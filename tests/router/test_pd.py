@@ -145,3 +145,23 @@ async def test_pd_client_disconnect_during_prefill_cancels_it_and_skips_decode(u
     assert d.seen == [] and p.finished == []
     ep = r.router.prefill.endpoints[p.url]
     assert (ep.in_flight_requests, ep.in_flight_tokens, ep.healthy) == (0, 0, True)
+
+
+async def test_a_decode_leg_its_revision_cannot_take_is_prefilled_on_another_decode(upstream, router) -> None:
+    """The decode endpoint chosen for a prompt whose KV waits on a prefill engine of revision "a" answers 503 (it
+    began to drain before the router saw it leave), and no other decode endpoint of "a" is up: the request is
+    not failed, nor is the KV handed across revisions; a decode endpoint of "b" prefills it itself."""
+    p = await upstream(name="p", revision="a")
+    draining = await upstream(name="da", revision="a", status=503)
+    other = await upstream(name="db", revision="b")
+    r = await router(decode_urls=[draining.url, other.url], prefill_urls=[p.url], remote_prefill_threshold=0,
+                     health_interval=60)  # one round of checks at start: each endpoint's revision, then none
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.url + "/v1/completions", json={"prompt": LONG}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["choices"][0]["text"].startswith(" db-0")
+        text = await (await s.get(r.url + "/metrics")).text()
+    assert len(p.seen) == 1 and "kv_transfer_params" in draining.seen[0].body
+    assert "kv_transfer_params" not in other.seen[0].body
+    assert 'tandem:router_pd_decisions_total{decision="local_fallback"} 1.0' in text
+    assert 'decision="remote"' not in text

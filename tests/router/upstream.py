@@ -92,6 +92,7 @@ class TestUpstream:
     # chunks carry ids, as a real engine's do, so the router can resume an answer on another upstream.
     positional: bool = False
     healthy: bool = True
+    revision: str = ""  # sent on /health as X-Tandem-Revision when set, as `tandem serve --revision` does
     max_num_seqs: int | None = None  # exported as tandem:engine_max_num_seqs on GET /metrics, as an engine does
     metrics_scrapes: int = 0  # GET /metrics served (it also exports `running` as vllm:num_requests_running)
     seen: list[Seen] = field(default_factory=list)
@@ -188,7 +189,8 @@ class TestUpstream:
         return web.Response(text=text, content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
+        headers = {"X-Tandem-Revision": self.revision} if self.revision else None
+        return web.Response(status=200 if self.healthy else 503, headers=headers)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(

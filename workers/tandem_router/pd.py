@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
+# A decode leg that failed with these took nothing in (refused, unreachable, overloaded, draining): safe to send
+# again, as a whole request, to any decode endpoint.
+FALLBACK_STATUS = frozenset({429, 502, 503})
 
 
 class ClientErrorFromPrefill(Exception):
@@ -117,7 +120,19 @@ async def open_pd(
     if params is None:
         metrics.pd_decisions.labels("local_fallback").inc()
         return await open_upstream(router, decode, path, req.raw, rreq, headers, first=d)
-    metrics.pd_decisions.labels("remote").inc()
     payload = json.dumps(decode_body(req, params)).encode()
     # A retry on another decode endpoint reads the same prefill engine's blocks: one of the same revision.
-    return await open_upstream(router, decode, path, payload, rreq, headers, first=d, revision=revision)
+    try:
+        up = await open_upstream(router, decode, path, payload, rreq, headers, first=d, revision=revision)
+    except NoEndpoint as e:
+        if e.status not in FALLBACK_STATUS:
+            raise
+        # No decode endpoint of the revision took it (the one chosen was draining before the router saw it go,
+        # and it was its revision's last): nothing was answered yet, so another decode endpoint prefills it
+        # itself. The prefill engine's blocks go back when its lease runs out.
+        logger.warning("no decode endpoint of revision %r took the KV of prefill (%s); decode prefills locally",
+                       revision, e)
+        metrics.pd_decisions.labels("local_fallback").inc()
+        return await open_upstream(router, decode, path, req.raw, rreq, headers)
+    metrics.pd_decisions.labels("remote").inc()
+    return up
