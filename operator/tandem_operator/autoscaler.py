@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -109,6 +109,22 @@ def _step(d: Decision) -> dict[str, Any]:
     return {"role": d.role, "from": d.current, "to": d.desired, "reason": d.reason}
 
 
+Tick = Callable[[aiohttp.ClientSession, kopf.Body], Awaitable[float]]
+
+
+async def run_ticks(client: KubeClient, tick: Tick, body: kopf.Body, stopped: kopf.DaemonStopped) -> None:
+    """A per-service daemon's loop: `tick` (which returns the seconds to the next one) until kopf stops it."""
+    async with aiohttp.ClientSession() as session:
+        while not stopped:
+            try:
+                interval = await tick(session, body)
+            except Exception:
+                if stopped or client.closed:  # the operator is exiting: its client closed under this tick
+                    return
+                raise
+            await stopped.wait(interval)
+
+
 class Autoscaler:
     """The loop of one InferenceService; its planner (and so its windows) lives as long as the loop."""
 
@@ -121,15 +137,7 @@ class Autoscaler:
 
     async def run(self, body: kopf.Body, stopped: kopf.DaemonStopped) -> None:
         """Tick every `intervalSeconds` until kopf stops the daemon (autoscaling removed, or deleted)."""
-        async with aiohttp.ClientSession() as session:
-            while not stopped:
-                try:
-                    interval = await self.tick(session, body)
-                except Exception:
-                    if stopped or self.client.closed:  # the operator is exiting: its client closed under this tick
-                        return
-                    raise
-                await stopped.wait(interval)
+        await run_ticks(self.client, self.tick, body, stopped)
 
     async def tick(self, session: aiohttp.ClientSession, body: kopf.Body) -> float:
         """One scrape, plan and action; returns the seconds until the next tick."""

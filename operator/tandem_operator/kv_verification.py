@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from tandem_operator.autoscaler import scrape
+from tandem_operator.autoscaler import run_ticks, scrape
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.signals import Scrape, increase
 from tandem_operator.spec import SpecError, parse_spec
@@ -118,15 +118,7 @@ class Verifier:
         self.previous: Scrape | None = None
 
     async def run(self, body: kopf.Body, stopped: kopf.DaemonStopped) -> None:
-        async with aiohttp.ClientSession() as session:
-            while not stopped:
-                try:
-                    interval = await self.tick(session, body)
-                except Exception:
-                    if stopped or self.client.closed:  # the operator is exiting: its client closed under this tick
-                        return
-                    raise
-                await stopped.wait(interval)
+        await run_ticks(self.client, self.tick, body, stopped)
 
     async def tick(self, session: aiohttp.ClientSession, body: kopf.Body) -> float:
         try:
