@@ -121,9 +121,13 @@ def router_command(spec: InferenceServiceSpec) -> list[str]:
     else:
         args += ["--discovery", "static"]
     a = spec.autoscaling
-    if a is not None and a.scale_to_zero:
-        # At zero the router holds requests (and its demand brings the pools back): docs/operations.md.
-        args += ["--cold-start-timeout", str(a.hold_seconds)]
+    hold = [a.hold_seconds] if a is not None and a.scale_to_zero else []
+    if spec.rollout.strategy == "DrainFirst":
+        hold.append(spec.rollout.hold_seconds)
+    if hold:
+        # At zero (scale to zero, or a DrainFirst roll of one-pod roles) the router holds requests until a
+        # decode engine is Ready again: docs/operations.md.
+        args += ["--cold-start-timeout", str(max(hold))]
     return args
 
 

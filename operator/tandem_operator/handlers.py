@@ -32,8 +32,10 @@ CHILD_RESOURCES = (
     ("apps", "v1", "deployments", "Deployment"),
     ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
 )
 ISVC_INDEX = "tandem_isvcs"
+OPERATOR_NAMESPACE_ENV = "TANDEM_OPERATOR_NAMESPACE"
 OwnerKey = tuple[str | None, str]
 
 
@@ -55,7 +57,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         settings.scanning.disabled = True
     client = await KubeClient.connect()
     memo["client"] = client
-    memo["reconciler"] = Reconciler(client)
+    # The chart sets it from the downward API; an operator outside the cluster has none, and its scrapes of
+    # the engines then need `networkPolicy.metricsFrom` (docs/operations.md, "Network policy").
+    memo["reconciler"] = Reconciler(client, operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None)
     logger.info("[startup] tandem operator ready")
 
 

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[type[Any], str]] = {
     "Deployment": (k8s.AppsV1Api, "deployment"),
     "Role": (k8s.RbacAuthorizationV1Api, "role"),
     "RoleBinding": (k8s.RbacAuthorizationV1Api, "role_binding"),
+    "NetworkPolicy": (k8s.NetworkingV1Api, "network_policy"),
 }
 
 

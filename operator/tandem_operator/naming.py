@@ -43,6 +43,11 @@ def router_account_name(isvc: str) -> str:
     return f"{isvc}-router"
 
 
+def network_policy_name(isvc: str) -> str:
+    """The NetworkPolicy that admits only the service's own pods (and its scrapers) to its engines."""
+    return f"{isvc}-engines"
+
+
 def selector_labels(isvc: str, role: Component) -> dict[str, str]:
     """The labels a component's Deployment and Service select pods by (immutable once created)."""
     return {LABEL_ISVC: isvc, LABEL_ROLE: role.value}

@@ -115,9 +115,11 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
-def desired_children(spec: InferenceServiceSpec, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def desired_children(
+    spec: InferenceServiceSpec, body: Mapping[str, Any], operator_namespace: str | None = None
+) -> list[dict[str, Any]]:
     """The children of a valid spec, owned by `body` and annotated with what is being written."""
-    children = build_children(spec)
+    children = build_children(spec, operator_namespace)
     kopf.adopt(children, owner=body, strict=True)  # type: ignore[arg-type]
     for child in children:
         record = json.dumps(child, sort_keys=True, separators=(",", ":"))
@@ -142,8 +144,9 @@ class _ServiceState:
 class Reconciler:
     """Serialises reconciles per InferenceService; different services reconcile concurrently."""
 
-    def __init__(self, client: KubeClient) -> None:
+    def __init__(self, client: KubeClient, operator_namespace: str | None = None) -> None:
         self.client = client
+        self.operator_namespace = operator_namespace
         self._services: dict[tuple[str, str], _ServiceState] = {}
 
     def forget(self, namespace: str, name: str) -> None:
@@ -210,7 +213,8 @@ class Reconciler:
         )
         if state.desired_key != desired_key or state.spec is None:
             spec = parse_spec(dict(body))
-            state.spec, state.children, state.desired_key = spec, desired_children(spec, body), desired_key
+            children = desired_children(spec, body, self.operator_namespace)
+            state.spec, state.children, state.desired_key = spec, children, desired_key
         return state.spec, state.children
 
     async def _reconcile(
@@ -251,7 +255,7 @@ class Reconciler:
             if written is not None:
                 fresh[ck] = state.written[ck] = written
 
-        # Two waves of concurrent writes: what the workloads refer to (config, RBAC, Services),
+        # Two waves of concurrent writes: what the workloads refer to (config, RBAC, policy, Services),
         # then the workloads, so no pod is created before its ServiceAccount and ConfigMap exist.
         for wave in (
             [c for c in children if c["kind"] != "Deployment"],

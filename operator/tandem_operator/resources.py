@@ -8,9 +8,11 @@ from typing import Any
 from tandem_operator.args import config_hash, config_json, engine_ports
 from tandem_operator.naming import (
     LABEL_ISVC,
+    LABEL_ROLE,
     Component,
     config_name,
     engine_components,
+    network_policy_name,
     router_account_name,
     selector_labels,
     workload_name,
@@ -101,11 +103,41 @@ def build_router_role_binding(spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def build_children(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """Every child the service should have, in creation order (config and RBAC before workloads)."""
+def build_engine_network_policy(spec: InferenceServiceSpec, operator_namespace: str | None) -> dict[str, Any]:
+    """Who may connect to the engine pods. Every port (HTTP, KV side channel, NIXL/UCX, KV events, replay):
+    only this service's own router and engines; UCX opens its data connections on ephemeral ports, so no
+    port list can name them. The HTTP port, also: the operator's namespace (the planner and the KV check
+    scrape the engines' /metrics) and `networkPolicy.metricsFrom`. The kubelet's probes come from the node,
+    which policies do not govern. Ingress only: DNS, the API server and model downloads stay reachable."""
+    roles = [role.value for role in engine_components(spec.disaggregated)]
+    scrapers: list[dict[str, Any]] = []
+    if operator_namespace:
+        scrapers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}})
+    scrapers += [dict(peer) for peer in spec.network_policy.metrics_from]
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {LABEL_ISVC: spec.name}}}]}]
+    if scrapers:
+        ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": spec.engine.port}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_meta(spec, network_policy_name(spec.name), None),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_ISVC: spec.name},
+                            "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": roles}]},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def build_children(spec: InferenceServiceSpec, operator_namespace: str | None = None) -> list[dict[str, Any]]:
+    """Every child the service should have, in creation order (config, RBAC and policy before workloads).
+    `operator_namespace`: where the operator runs (its scrapes pass the engines' NetworkPolicy)."""
     digest = config_hash(spec)
     roles = engine_components(spec.disaggregated)
     children: list[dict[str, Any]] = [build_config_map(spec)]
+    if spec.network_policy.enabled:
+        children.append(build_engine_network_policy(spec, operator_namespace))
     if spec.router.discovery == "Kubernetes":
         children += [
             build_router_service_account(spec),

@@ -29,6 +29,8 @@ ROUTER_POLICIES = {
     "SessionAffinity": "session-affinity",
 }
 DISCOVERY = ("Kubernetes", "Static")
+ROLLOUT_STRATEGIES = ("Surge", "DrainFirst")
+PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")  # a NetworkPolicyPeer's fields
 DEFAULT_KV_EVENTS_PORT = 5557  # vLLM's
 # Flags the operator renders from typed fields; `engine.extraArgs` must not repeat them, or prefill
 # and decode could be made to disagree on what has to match.
@@ -125,6 +127,18 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    strategy: str  # "Surge": new pod Ready before an old one drains; "DrainFirst": the other way round
+    hold_seconds: int  # DrainFirst: how long the router holds a request while no decode engine is Ready
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool
+    metrics_from: tuple[dict[str, Any], ...]  # NetworkPolicyPeers allowed on the engines' HTTP port
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     name: str
     namespace: str
@@ -135,6 +149,8 @@ class InferenceServiceSpec:
     decode: RoleSpec
     router: RouterSpec
     autoscaling: AutoscalingSpec | None = None  # None: fixed replicas
+    rollout: RolloutSpec = RolloutSpec("Surge", 300)
+    network_policy: NetworkPolicySpec = NetworkPolicySpec(True, ())
 
     @property
     def disaggregated(self) -> bool:
@@ -263,6 +279,8 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
     decode = _role(r, r.section(spec, "decode", "spec"), "spec.decode", enabled_default=True)
     router = _router(r, r.section(spec, "router", "spec"), engine.image)
     autoscaling = parse_autoscaling(r, spec, prefill.enabled)
+    rollout = _rollout(r, r.section(spec, "rollout", "spec"))
+    network_policy = _network_policy(r, r.section(spec, "networkPolicy", "spec"))
 
     if prefill.enabled and kv is None:
         r.problems.append("spec.kvTransfer: a KV connector is required when prefill is enabled")
@@ -287,6 +305,8 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
         decode=decode,
         router=router,
         autoscaling=autoscaling,
+        rollout=rollout,
+        network_policy=network_policy,
     )
 
 
@@ -394,3 +414,22 @@ def _router(r: _Reader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
         pod_template=r.mapping(raw, "podTemplate", p),
         auth_secret=(secret, r.string(auth, "secretKey", f"{p}.auth", "api-key") or "api-key") if secret else None,
     )
+
+
+def _rollout(r: _Reader, raw: dict[str, Any]) -> RolloutSpec:
+    p = "spec.rollout"
+    return RolloutSpec(
+        strategy=r.string(raw, "strategy", p, "Surge", ROLLOUT_STRATEGIES) or "Surge",
+        hold_seconds=r.required_int(raw, "holdSeconds", p, 300, minimum=1, maximum=3600),
+    )
+
+
+def _network_policy(r: _Reader, raw: dict[str, Any]) -> NetworkPolicySpec:
+    p = "spec.networkPolicy"
+    peers = raw.get("metricsFrom") or []
+    if not isinstance(peers, list) or not all(
+        isinstance(peer, dict) and peer and set(peer) <= set(PEER_KEYS) for peer in peers
+    ):
+        r.problems.append(f"{p}.metricsFrom: must be a list of NetworkPolicyPeers ({', '.join(PEER_KEYS)})")
+        peers = []
+    return NetworkPolicySpec(enabled=r.boolean(raw, "enabled", p, True), metrics_from=tuple(peers))

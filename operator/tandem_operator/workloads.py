@@ -231,6 +231,15 @@ def _pod(
     return {"metadata": {"labels": child_labels(spec.name, role)}, "spec": pod_spec}
 
 
+def rolling_update(spec: InferenceServiceSpec, role: Component) -> dict[str, int]:
+    """How a role's pods are replaced. Surge (the default, and always the router): a new pod is Ready before an
+    old one leaves. DrainFirst: an old engine pod drains and goes first, so the roll needs no room for an extra
+    pod; meanwhile the router pairs within a revision and holds requests while no decode engine is Ready."""
+    if role is not Component.ROUTER and spec.rollout.strategy == "DrainFirst":
+        return {"maxSurge": 0, "maxUnavailable": 1}
+    return {"maxSurge": 1, "maxUnavailable": 0}
+
+
 def _deployment(
     spec: InferenceServiceSpec, role: Component, of: RoleSpec | RouterSpec, pod: dict[str, Any], progress_deadline: int
 ) -> dict[str, Any]:
@@ -245,7 +254,7 @@ def _deployment(
         "spec": {
             "replicas": of.replicas,
             "selector": {"matchLabels": selector_labels(spec.name, role)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling_update(spec, role)},
             "revisionHistoryLimit": 5,
             "progressDeadlineSeconds": progress_deadline,
             "template": pod,

@@ -27,6 +27,7 @@ PATHS = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "InferenceService": ISVC_PATH,
     "Event": "/api/v1/namespaces/{ns}/events",
     "ReplicaSet": "/apis/apps/v1/namespaces/{ns}/replicasets",
@@ -38,7 +39,7 @@ def expected_children(name: str, prefill: bool = True) -> set[tuple[str, str]]:
     """(kind, name) of every child the operator makes for an InferenceService."""
     kids = {("ConfigMap", f"{name}-engine-config"), ("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"),
             ("RoleBinding", f"{name}-router"), ("Service", f"{name}-decode"), ("Service", f"{name}-router"),
-            ("Deployment", f"{name}-decode"), ("Deployment", f"{name}-router")}
+            ("Deployment", f"{name}-decode"), ("Deployment", f"{name}-router"), ("NetworkPolicy", f"{name}-engines")}
     if prefill:
         kids |= {("Service", f"{name}-prefill"), ("Deployment", f"{name}-prefill")}
     return kids

@@ -378,3 +378,62 @@ def test_engine_pods_start_from_the_image_cache(variant: str) -> None:
             mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
             assert "/tmp" in mounts and not mounts["/tmp"].get("readOnly")
             assert not [p for p in mounts if p.startswith("/opt/tandem") or p == "/cache"]
+
+
+def _policy(obj: dict[str, Any], operator_namespace: str | None = "tandem-system") -> dict[str, Any]:
+    children = build_children(parse_spec(obj), operator_namespace)
+    (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def test_the_engines_admit_only_their_own_service_and_the_operators_scrapes() -> None:
+    """Every engine port is open to this service's router and engines only (any port: UCX's data connections
+    are ephemeral); the HTTP port also to the operator's namespace and the peers metricsFrom names; the
+    router is not selected (it serves clients); another InferenceService's pods are not admitted."""
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    policy = _policy(body(networkPolicy={"metricsFrom": [monitoring]}))
+    assert policy["metadata"]["name"] == "smollm2-pd-engines"
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]  # egress (DNS, the API server, model downloads) untouched
+    selector = spec["podSelector"]
+    assert selector["matchLabels"] == {LABEL_ISVC: "smollm2-pd"}
+    assert selector["matchExpressions"] == [{"key": LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
+    own, scrapes = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {LABEL_ISVC: "smollm2-pd"}}}]}
+    assert scrapes["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert scrapes["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "tandem-system"}}}, monitoring]
+    colocated = _policy(body("colocated"), operator_namespace=None)["spec"]
+    assert colocated["podSelector"]["matchExpressions"][0]["values"] == ["decode"]
+    assert colocated["ingress"] == [{"from": [{"podSelector": {"matchLabels": {LABEL_ISVC: "smollm2"}}}]}]
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(policy, version, strict=True)
+
+
+def test_network_policy_can_be_turned_off_and_bad_peers_are_refused() -> None:
+    kinds = {c["kind"] for c in build_children(parse_spec(body(networkPolicy={"enabled": False})))}
+    assert "NetworkPolicy" not in kinds and "Deployment" in kinds
+    for peers in ({"podSelector": {}}, [{}], [{"nodeSelector": {}}]):
+        with pytest.raises(SpecError, match=r"spec.networkPolicy.metricsFrom"):
+            parse_spec(body(networkPolicy={"metricsFrom": peers}))
+
+
+def test_drain_first_rolls_engines_without_a_surge_pod_and_the_router_holds_meanwhile() -> None:
+    """DrainFirst: each engine role's old pod leaves before its replacement starts (no extra pod), while the
+    router (always Surge: it is one small pod) holds requests whenever no decode engine is Ready, up to
+    rollout.holdSeconds; the default is Surge, and its router holds nothing."""
+    def strategies(obj: dict[str, Any]) -> dict[str, Any]:
+        return {c["metadata"]["name"]: c["spec"]["strategy"]["rollingUpdate"] for c in rendered(obj)
+                if c["kind"] == "Deployment"}
+
+    surge, drain = {"maxSurge": 1, "maxUnavailable": 0}, {"maxSurge": 0, "maxUnavailable": 1}
+    assert strategies(body()) == {"smollm2-pd-prefill": surge, "smollm2-pd-decode": surge,
+                                  "smollm2-pd-router": surge}
+    obj = body(rollout={"strategy": "DrainFirst", "holdSeconds": 90})
+    assert strategies(obj) == {"smollm2-pd-prefill": drain, "smollm2-pd-decode": drain,
+                               "smollm2-pd-router": surge}
+    args = router_command(parse_spec(obj))
+    assert args[args.index("--cold-start-timeout") + 1] == "90"
+    assert "--cold-start-timeout" not in router_command(parse_spec(body()))
+    with pytest.raises(SpecError, match=r"spec.rollout.strategy"):
+        parse_spec(body(rollout={"strategy": "Recreate"}))

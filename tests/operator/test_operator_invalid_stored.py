@@ -31,6 +31,7 @@ RESOURCES = {
     "ServiceAccount": "v1/serviceaccounts",
     "Role": "rbac.authorization.k8s.io/v1/roles",
     "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
+    "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
     "Service": "v1/services",
     "Deployment": "apps/v1/deployments",
 }

@@ -68,6 +68,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]
+# Each InferenceService's engines admit only its own pods (and the operator's scrapes).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 # The routers' Roles grant read access to EndpointSlices; RBAC lets the operator grant only what it holds.
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
