@@ -6,7 +6,9 @@
 #   hack/build-tools.sh --print  print that folder only (exit 1 if a binary is missing)
 #
 # kwok (fake nodes whose pods it marks Ready without running them) is built too: the operator's
-# reconcile tests and the scale benchmark schedule pods onto its tainted node.
+# reconcile tests and the scale benchmark schedule pods onto its tainted node. So is kube-router, whose
+# NetworkPolicy controller the real node runs as its firewall (from hack/netpol-tools/go.mod: its own
+# module, since kube-router is written against an older client-go than hack/k8s-tools pins).
 #
 # Everything comes from the Go module proxy through hack/k8s-tools/go.mod (versions and checksums
 # pinned there); nothing prebuilt is downloaded. Binaries land in a cache outside the repository keyed
@@ -19,9 +21,11 @@ ETCD_VERSION=v3.7.3
 HELM_VERSION=v4.3.2
 KWOK_VERSION=v0.8.0
 COREDNS_VERSION=v1.15.0
+KUBE_ROUTER_VERSION=v2.1.0
 
 here="$(cd "$(dirname "$0")" && pwd)"
 module="$here/k8s-tools"
+netpol_module="$here/netpol-tools"
 root="${TANDEM_TOOLS_DIR:-$HOME/.cache/tandem/tools}"
 bin="$root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION/bin"
 
@@ -40,7 +44,7 @@ order=(kubectl helm etcd kube-scheduler kube-controller-manager kube-apiserver k
 [[ "${1:-}" == "kwok" ]] && shift  # accepted for old callers: kwok is always built now
 
 missing=()
-for name in "${order[@]}" kwok coredns; do
+for name in "${order[@]}" kwok coredns kube-router; do
   [[ -x "$bin/$name" ]] || missing+=("$name")
 done
 if [[ "${1:-}" == "--print" ]]; then
@@ -63,6 +67,21 @@ build_kwok() {
 build_coredns() {
   # The real node's cluster DNS (hack/build-node-images.sh puts it in an image); installed like kwok.
   go_install coredns "github.com/coredns/coredns@$COREDNS_VERSION"
+}
+build_kube_router() {
+  # The real node's NetworkPolicy firewall (tests/k8s/real_node.py runs it with --run-firewall only). Built
+  # from hack/netpol-tools, whose go.mod pins v2.1.0 and raises its vulnerable dependencies (go.sum
+  # checked, -mod=readonly as above); stamped with its version as upstream's Makefile does.
+  [[ -x "$bin/kube-router" ]] && return
+  grep -q "github.com/cloudnativelabs/kube-router/v2 $KUBE_ROUTER_VERSION" "$netpol_module/go.mod" \
+    || { echo "hack/netpol-tools/go.mod does not pin kube-router $KUBE_ROUTER_VERSION" >&2; exit 1; }
+  echo "[tools] kube-router <- github.com/cloudnativelabs/kube-router/v2@$KUBE_ROUTER_VERSION" >&2
+  local start=$SECONDS pkg=github.com/cloudnativelabs/kube-router/v2/pkg/version
+  (cd "$netpol_module" && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath \
+    -ldflags "-s -w -X $pkg.Version=$KUBE_ROUTER_VERSION -X $pkg.BuildDate=1970-01-01T00:00:00Z" \
+    -o "$bin/.kube-router.tmp" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router)
+  mv "$bin/.kube-router.tmp" "$bin/kube-router"
+  echo "[tools] kube-router done in $((SECONDS - start)) s" >&2
 }
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "$bin"
@@ -107,4 +126,5 @@ done
 echo "[tools] all built in $((SECONDS - start_all)) s" >&2
 build_kwok
 build_coredns
+build_kube_router
 echo "$bin"

@@ -2,10 +2,11 @@
 # Install, from Debian's packages, what building images and running a real test node need here: buildah
 # (images, no daemon), runc (the OCI runtime: crun refuses this machine's hybrid cgroups), containerd (the
 # kubelet's CRI runtime), the CNI plugins (bridge, host-local, portmap, loopback), mmdebstrap (the base
-# image) and iptables (kube-proxy). A no-op once installed; needs root and Debian's apt.
+# image), iptables (kube-proxy, kube-router) and ipset (kube-router's NetworkPolicy firewall keeps its
+# pod sets there). A no-op once installed; needs root and Debian's apt.
 set -euo pipefail
 
-packages=(buildah runc containerd containernetworking-plugins mmdebstrap iptables)
+packages=(buildah runc containerd containernetworking-plugins mmdebstrap iptables ipset)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 """A real Kubernetes node on this machine: the kubelet (built from the pinned k8s.io/kubernetes), containerd
 with runc as its CRI runtime (Debian's; crun refuses this machine's hybrid cgroups), CNI bridge networking
-(Debian's plugins: bridge, host-local, portmap), kube-proxy in iptables mode, and CoreDNS as a pod.
+(Debian's plugins: bridge, host-local, portmap), kube-proxy in iptables mode, kube-router's NetworkPolicy
+controller as the firewall (NetworkPolicies are enforced), and CoreDNS as a pod.
 
 Pods on it are containers from images: their own PID, IPC, mount and network namespaces, their user, a
 read-only root when they ask for one, cgroup CPU and memory limits, `kubectl logs/exec/port-forward`. No
@@ -36,11 +37,17 @@ CNI_BIN = Path("/usr/lib/cni")
 CLUSTER_DNS = str(ipaddress.ip_network(SERVICE_CIDR)[10])  # 10.96.0.10, as kubeadm picks it
 NAMESPACE = "k8s.io"  # containerd's namespace for CRI
 IMAGE_ID_LABEL = "dev.tandem.image-id"  # on an image's name in containerd: the buildah image it was copied from
+# What kube-router's NetworkPolicy controller makes (pkg/controllers/netpol): filter-table chains, jumped to
+# from INPUT, FORWARD and OUTPUT, and the ipsets its rules match on. Nothing else on this machine uses these
+# names (kube-proxy's chains are KUBE-SERVICES, KUBE-FORWARD, ...; it makes no ipsets).
+NETPOL_CHAIN_PREFIXES = ("KUBE-ROUTER-", "KUBE-NWPLCY-", "KUBE-POD-FW-")
+NETPOL_IPSET_PREFIXES = ("KUBE-SRC-", "KUBE-DST-", "inet6:KUBE-SRC-", "inet6:KUBE-DST-")
 
 
 def preflight() -> str | None:
     """Why this machine cannot run a real node, or None."""
-    tools = ("containerd", "containerd-shim-runc-v2", "runc", "buildah", "iptables")
+    tools = ("containerd", "containerd-shim-runc-v2", "runc", "buildah", "iptables", "iptables-save",
+             "iptables-restore", "ipset")
     missing = [t for t in tools if not shutil.which(t)]
     missing += [str(CNI_BIN / p) for p in ("bridge", "host-local", "loopback") if not (CNI_BIN / p).exists()]
     if missing:
@@ -117,6 +124,7 @@ class RealNode:
                 self._collect_garbage()
             self._start_kubelet()
             self._start_kube_proxy()
+            self._start_kube_router()
             self._start_coredns()
         except BaseException:
             self.stop()
@@ -277,6 +285,40 @@ class RealNode:
         path.write_text(json.dumps(config))
         self._spawn("kube-proxy", [str(self.bin_dir / "kube-proxy"), f"--config={path}", "--v=1"])
 
+    def _start_kube_router(self) -> None:
+        """kube-router with its NetworkPolicy controller only (no routing, no service proxy: the bridge and
+        kube-proxy do those), beside kube-proxy and with the same iptables (the `iptables` on PATH, nf_tables
+        here). It filters pods' traffic in FORWARD (bridged, through br_netfilter), OUTPUT (from the host)
+        and INPUT, and REJECTs what a policy does not allow. Its identity is its own, `system:kube-router`,
+        with read access to what it watches (kube-router's own RBAC, less what routing and the proxy need)."""
+        _remove_netpol_rules()  # what a killed earlier node left: it starts from nothing
+        pki = self.control_plane.pki
+        assert pki is not None
+        rdir = self.work_dir / "kube-router"
+        rdir.mkdir(exist_ok=True)
+        cert, key = issue_client_cert(pki, rdir / "client", "system:kube-router", "tandem:kube-router")
+        kubeconfig = rdir / "kubeconfig"  # under work_dir: its command line names it, so _pids() finds it
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: kube-router\n"
+            f"clusters:\n- name: tandem\n  cluster:\n    server: {self.control_plane.url}\n"
+            f"    certificate-authority: {pki.ca_cert}\n"
+            f"users:\n- name: kube-router\n  user:\n    client-certificate: {cert}\n    client-key: {key}\n"
+            "contexts:\n- name: kube-router\n  context:\n    cluster: tandem\n    user: kube-router\n")
+        out = self.control_plane.kubectl("apply", "-f", "-", input=json.dumps(kube_router_rbac("system:kube-router")))
+        if out.returncode != 0:
+            raise RuntimeError(f"kube-router's RBAC: {out.stderr}")
+        self._spawn("kube-router", [
+            str(self.bin_dir / "kube-router"), f"--kubeconfig={kubeconfig}", f"--hostname-override={self.name}",
+            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false", "--enable-cni=false",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # No listener at all: its health port (20244 on every address by default) and metrics are off.
+            "--health-port=0", "--metrics-port=0",
+            "--v=1",
+        ])
+        # Its top-level chains are hooked in once its informers have synced and its first full sync ran.
+        self._wait("kube-router's firewall", lambda: "-j KUBE-ROUTER-FORWARD" in subprocess.run(
+            ["iptables", "-S", "FORWARD"], capture_output=True, text=True).stdout, 60.0)
+
     def _start_coredns(self) -> None:
         manifest = coredns_manifest(self.node_images["coredns"], self.name)
         out = self.control_plane.kubectl("apply", "-f", "-", input=json.dumps(manifest))
@@ -323,6 +365,7 @@ class RealNode:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         subprocess.run([str(self.bin_dir / "kube-proxy"), "--cleanup"], capture_output=True, timeout=60)
+        _remove_netpol_rules()
 
     def _pids(self) -> set[int]:
         """The node's processes: what runs in its pods' cgroups, and containerd and its shims (their
@@ -353,6 +396,9 @@ class RealNode:
         found += [f"cgroup {d}" for d in _cgroup_dirs(self.bridge)]
         if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode == 0:
             found.append(f"link {self.bridge}")
+        chains, _ = _netpol_rules()
+        found += [f"iptables chain {c}" for c in chains]
+        found += [f"ipset {s}" for s in _netpol_ipsets()]
         return found
 
 
@@ -405,6 +451,57 @@ def _mounts_under(path: Path) -> list[str]:
 def _unmount_under(path: Path) -> None:
     for mount in sorted(_mounts_under(path), key=len, reverse=True):
         subprocess.run(["umount", "-l", mount], capture_output=True)
+
+
+def _netpol_rules() -> tuple[list[str], list[str]]:
+    """kube-router's chains in the filter table, and the rules of other chains that jump to them (as
+    iptables-save writes them)."""
+    saved = subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True).stdout.splitlines()
+    chains = [line[1:].split()[0] for line in saved if line.startswith(":") and
+              line[1:].startswith(NETPOL_CHAIN_PREFIXES)]
+    jumps = [line for line in saved if line.startswith("-A ") and not line.split()[1].startswith(NETPOL_CHAIN_PREFIXES)
+             and any(f" -j {c}" in f"{line} " or f" -g {c}" in f"{line} " for c in chains)]
+    return chains, jumps
+
+
+def _netpol_ipsets() -> list[str]:
+    names = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True).stdout.split()
+    return [n for n in names if n.startswith(NETPOL_IPSET_PREFIXES)]
+
+
+def _remove_netpol_rules() -> None:
+    """Removes what kube-router's NetworkPolicy controller leaves when it stops (it keeps its rules, so that
+    a restart does not open the firewall): its chains, the jumps to them, then its ipsets. One
+    iptables-restore --noflush (other chains untouched), as kube-proxy --cleanup does for its own.
+    `kube-router --cleanup-config` is no help: in v2.1.0 its firewall part runs without iptables or ipset
+    handlers (it logs success and removes nothing), then its service-proxy part flushes every IPVS service
+    on the machine and panics on a nil pointer."""
+    chains, jumps = _netpol_rules()
+    if chains:
+        script = ["*filter", *(f":{c} - [0:0]" for c in chains), *("-D" + j[2:] for j in jumps),
+                  *(f"-X {c}" for c in chains), "COMMIT", ""]
+        out = subprocess.run(["iptables-restore", "--noflush"], input="\n".join(script), capture_output=True,
+                             text=True, timeout=60)
+        if out.returncode != 0:
+            logger.warning("[shutdown] removing kube-router's chains failed: %s", out.stderr.strip())
+    for name in _netpol_ipsets():
+        subprocess.run(["ipset", "destroy", name], capture_output=True, timeout=60)
+
+
+def kube_router_rbac(user: str) -> dict[str, object]:
+    """Read access to what kube-router's informers watch (they must all sync before its firewall starts)."""
+    name = {"name": "tandem:kube-router"}
+    return {"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": name, "rules": [
+            {"apiGroups": [""], "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+             "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "list", "watch"]},
+        ]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": name,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name["name"]},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]},
+    ]}
 
 
 def coredns_manifest(image: str, node: str) -> dict[str, object]:
