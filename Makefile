@@ -55,6 +55,7 @@ bench: setup ## run the benchmarks, results land in bench/results/
 	$(PY) bench/fused_decode.py
 	$(PY) bench/migration.py
 	$(PY) bench/overload.py
+	$(PY) bench/pd_membership.py
 
 bench-deps: setup ## build llama-cpp-python into .venv for bench/vs_llama_cpp.py (a cmake build of llama.cpp: minutes)
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" $(PIP) install -q llama-cpp-python==0.3.36
