@@ -219,6 +219,23 @@ async def test_held_requests_that_cannot_reach_their_engine_are_held_again(route
     assert r.router.admission.admitted == 0 and held_in(r) == 0
 
 
+async def test_a_request_whose_last_decode_engine_began_to_drain_is_held_for_the_next(upstream, router) -> None:
+    """A DrainFirst rollout of a one-pod decode role: a request reaches the pod that has just begun to drain (it
+    answers 503 before the router saw it leave) and no other decode endpoint is left. The request waits for the
+    replacement, as a held request does, instead of passing the 503 on."""
+    draining = await upstream(name="a", status=503)
+    r = await router(decode_urls=[draining.url], cold_start_timeout=30)
+    async with client() as s:
+        task = asyncio.create_task(send(s, r.url, "/v1/completions", {"prompt": "p"}))
+        await eventually(lambda: len(draining.seen) == 1)
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        replacement = await upstream(name="b")
+        r.router.decode.set_urls([replacement.url], healthy=True)  # what the EndpointSlice watch publishes
+        status, _, text = await asyncio.wait_for(task, 10)
+    assert status == 200 and " b-0" in text, (status, text)
+
+
 async def test_held_requests_go_to_a_new_engine_no_faster_than_its_slots(router) -> None:
     """The engine's slot count is read before it is admitted: a cold start does not release every held
     request onto the first engine at once (the default cap, 64, would)."""

@@ -215,11 +215,12 @@ class Admission:
         return False
 
     async def hold_again(self, failure: NoEndpoint, arrived: float, request_id: str) -> bool:
-        """A held request whose engine could not be reached after all (a 502: every try failed to
-        connect, and with that no decode endpoint is left): wait again for one, within the request's
+        """A request whose engine could not take it after all, with that no decode endpoint left: a 502 (every
+        try failed to connect) or a 503 (the last decode engine had begun to drain, as a DrainFirst rollout's
+        does, before the router saw it leave). Wait again for one, within the request's
         `--cold-start-timeout` since `arrived` (perf_counter). True when one is admitted: try again;
         raises the held request's 503 when none comes in time."""
-        if failure.status != 502 or not self.holding():
+        if failure.status not in (502, 503) or not self.holding():
             return False
         logger.info("request %s: %s, and no decode endpoint is left: held again", request_id, failure)
         waited = self.config.cold_start_timeout
