@@ -95,6 +95,7 @@ CAN = [
     ("create", "serviceaccounts", "-n", "team-x"),
     ("create", "roles.rbac.authorization.k8s.io", "-n", "team-x"),
     ("create", "rolebindings.rbac.authorization.k8s.io", "-n", "team-x"),
+    ("create", "networkpolicies.networking.k8s.io", "-n", "team-x"),
     ("create", "events", "-n", "team-x"),
     ("watch", "deployments.apps", "-A"),
 ]
@@ -217,6 +218,15 @@ def received_blocks(env: Env, decodes: list[dict[str, Any]]) -> float:
     return sum(metric(env.url(d), "tandem:kv_transfer_received_blocks_total") for d in decodes)
 
 
+def router_pairs(env: Env, router: dict[str, Any], prefill: int, decode: int) -> None:
+    """Wait until the router has checked the engines' revisions (an endpoint of unknown revision is paired with
+    no one: its P/D requests prefill locally meanwhile), e.g. right after the service became Ready."""
+    url = env.url(router)
+    eventually(lambda: metric(url, "tandem:router_revision_endpoints", role="prefill") >= prefill
+               and metric(url, "tandem:router_revision_endpoints", role="decode") >= decode, 60,
+               "the router never knew the engines' revisions", interval_s=0.5)
+
+
 def test_disaggregated_example_serves_through_the_router(env: Env, reference: dict[str, str]) -> None:
     """The disaggregated example, as NOTES.txt tells a user to reach it: the router Service by DNS name and
     ClusterIP from inside a pod (`kubectl exec` into the router), and `kubectl port-forward svc/...` from the
@@ -237,6 +247,7 @@ def test_disaggregated_example_serves_through_the_router(env: Env, reference: di
     (router,) = env.ready_pods(ns, name, "router")
     decodes = env.ready_pods(ns, name, "decode")
     (prefill,) = env.ready_pods(ns, name, "prefill")
+    router_pairs(env, router, 1, len(decodes))
 
     svc = env.get("svc", f"{name}-router", "-n", ns)
     port = svc["spec"]["ports"][0]["port"]
@@ -295,6 +306,107 @@ def test_the_router_asks_for_an_api_key_once_router_auth_names_a_secret(env: Env
     assert httpx.post(env.url(router) + "/v1/completions", json=body, timeout=120).status_code == 200
 
 
+# Run in a pod by `kubectl exec`, argv: HOST:PORT...; prints {target: "open" | why it did not connect}.
+PROBE = """
+import json, socket, sys
+from concurrent.futures import ThreadPoolExecutor
+def probe(target):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        return "open"
+    except OSError as exc:
+        return type(exc).__name__
+with ThreadPoolExecutor(32) as pool:
+    print(json.dumps(dict(zip(sys.argv[1:], pool.map(probe, sys.argv[1:])))))
+"""
+# Run in an engine container: the TCP ports it listens on for other hosts (not loopback only).
+LISTENING = """
+import json
+ports = set()
+for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(path).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port = local.rsplit(":", 1)
+        if state == "0A" and address not in ("0100007F", "00000000000000000000000001000000"):
+            ports.add(int(port, 16))
+print(json.dumps(sorted(ports)))
+"""
+
+
+def probe_from(env: Env, ns: str, pod: str, targets: list[str]) -> dict[str, str]:
+    return dict(json.loads(env.ok("kubectl", "exec", "-n", ns, pod, "--", "python", "-c", PROBE, *targets)))
+
+
+def test_only_the_services_own_pods_reach_its_engines(env: Env, reference: dict[str, str]) -> None:
+    """The operator's NetworkPolicy, enforced by the node's policy plugin: from a pod in another namespace, no
+    port an engine listens on (HTTP, KV side channel, KV events, replay, NIXL/UCX's listener) accepts a
+    connection, while the router there does; from the router pod every one of them does, and the service
+    answers through the router."""
+    ns, name = "pd", "smollm2-pd"
+    policy = env.get("networkpolicy", f"{name}-engines", "-n", ns)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    engines = env.ready_pods(ns, name, "prefill") + env.ready_pods(ns, name, "decode")
+    targets = []
+    for pod in engines:
+        ports = json.loads(env.ok("kubectl", "exec", "-n", ns, pod["metadata"]["name"], "--", "python", "-c",
+                                  LISTENING))
+        # HTTP, KV events, replay and (prefill) the side channel are declared; UCX's listener is not, and is
+        # there too.
+        declared = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        serving = {"http", "kv-events", "kv-replay"} | ({"kv-side"} if "prefill" in pod["metadata"]["name"] else set())
+        assert {declared[n] for n in serving} <= set(ports) and set(ports) - set(declared.values()), (ports, declared)
+        targets += [f"{pod['status']['podIP']}:{port}" for port in ports]
+    (router,) = env.ready_pods(ns, name, "router")
+    router_target = f"{router['status']['podIP']}:8000"
+    image = env.get("tisvc", name, "-n", ns)["spec"]["engine"]["image"]
+    env.ok("kubectl", "create", "namespace", "outsider")
+    env.ok("kubectl", "run", "prober", "-n", "outsider", f"--image={image}", "--image-pull-policy=Never",
+           "--restart=Never", "--overrides", json.dumps({"spec": {"terminationGracePeriodSeconds": 0}}),
+           "--command", "--", "python", "-c", "import time; time.sleep(3600)")
+    env.ok("kubectl", "wait", "-n", "outsider", "--for=condition=Ready", "pod/prober", "--timeout=120s")
+    outside = probe_from(env, "outsider", "prober", [router_target, *targets])
+    assert outside.pop(router_target) == "open"
+    assert not [t for t, result in outside.items() if result == "open"], outside
+    inside = probe_from(env, ns, router["metadata"]["name"], targets)
+    assert all(result == "open" for result in inside.values()), inside
+    assert chat(env.url(router)) == reference["auto"]
+    print(f"from namespace outsider: {outside}")
+    env.ok("kubectl", "delete", "namespace", "outsider", "--wait=false")
+
+
+CHILD_PLURALS = tuple(plural for _, _, plural, _ in CHILD_RESOURCES)
+
+
+def child_writes(env: Env) -> dict[str, float]:
+    """The API server's own count of writes to the objects the operator owns (status subresources aside:
+    the controllers write those)."""
+    writes = env.cluster.kube.writes()
+    return {plural: writes.get(plural, 0.0) for plural in CHILD_PLURALS}
+
+
+def test_a_settled_inference_service_costs_no_writes(env: Env) -> None:
+    """Drift is repaired with one write, and the reconciles it sets off write nothing else: the operator
+    compares its children with what the real server returns (defaults filled in, empty values omitted)."""
+    ns, name = "pd", "smollm2-pd"
+    wait_ready(env, ns, name)
+    # The namespace the test before deleted without waiting: its controller's deletions count as writes too.
+    eventually(lambda: "outsider" not in {n["metadata"]["name"] for n in env.get("namespaces")["items"]},
+               180, "the namespace of the test before was never removed", interval_s=1)
+    svc = f"{name}-router"
+    selector = env.get("svc", svc, "-n", ns)["spec"]["selector"]
+    before = child_writes(env)
+    env.ok("kubectl", "patch", "svc", svc, "-n", ns, "--type=merge", "-p",
+           json.dumps({"spec": {"selector": {**selector, LABEL_ROLE: "nobody"}}}))
+    eventually(lambda: env.get("svc", svc, "-n", ns)["spec"]["selector"] == selector, 30,
+               "the operator did not restore the router Service's selector")
+    time.sleep(5)  # the repair's own watch event, and any reconcile it sets off
+    after = child_writes(env)
+    extra = {k: after[k] - before[k] for k in CHILD_PLURALS if after[k] != before[k]}
+    # Two writes on services: the test's drift and the operator's repair; nothing else.
+    assert extra == {"services": 2.0}, extra
+
+
 OOM_LIMIT = "3Gi"
 # Run in an engine container by `kubectl exec`: children of 64 MiB each (written, so resident) until the
 # container's memory cgroup is full. The kernel's OOM killer then takes the largest process in it: the
@@ -327,6 +439,7 @@ def test_kv_moves_between_pods_over_tcp_alone(env: Env, reference: dict[str, str
     wait_ready(env, ns, name)
     (router,) = env.ready_pods(ns, name, "router")
     decodes = env.ready_pods(ns, name, "decode")
+    router_pairs(env, router, 1, len(decodes))
     for v in range(len(SUBJECTS)):  # new prompts, spread over both decode pods
         before = received_blocks(env, decodes)
         answer, prompt_tokens = chat_usage(env.url(router), variant=v)
@@ -401,35 +514,6 @@ def test_an_engine_over_its_memory_limit_is_oom_killed_and_nothing_hangs(env: En
     assert not scaled, scaled
     assert env.get("tisvc", name, "-n", ns)["spec"]["decode"]["replicas"] == 2
     env.ok("kubectl", "delete", "namespace", ns, "--wait=false")
-
-
-CHILD_PLURALS = tuple(plural for _, _, plural, _ in CHILD_RESOURCES)
-
-
-def child_writes(env: Env) -> dict[str, float]:
-    """The API server's own count of writes to the objects the operator owns (status subresources aside:
-    the controllers write those)."""
-    writes = env.cluster.kube.writes()
-    return {plural: writes.get(plural, 0.0) for plural in CHILD_PLURALS}
-
-
-def test_a_settled_inference_service_costs_no_writes(env: Env) -> None:
-    """Drift is repaired with one write, and the reconciles it sets off write nothing else: the operator
-    compares its children with what the real server returns (defaults filled in, empty values omitted)."""
-    ns, name = "pd", "smollm2-pd"
-    wait_ready(env, ns, name)
-    svc = f"{name}-router"
-    selector = env.get("svc", svc, "-n", ns)["spec"]["selector"]
-    before = child_writes(env)
-    env.ok("kubectl", "patch", "svc", svc, "-n", ns, "--type=merge", "-p",
-           json.dumps({"spec": {"selector": {**selector, LABEL_ROLE: "nobody"}}}))
-    eventually(lambda: env.get("svc", svc, "-n", ns)["spec"]["selector"] == selector, 30,
-               "the operator did not restore the router Service's selector")
-    time.sleep(5)  # the repair's own watch event, and any reconcile it sets off
-    after = child_writes(env)
-    extra = {k: after[k] - before[k] for k in CHILD_PLURALS if after[k] != before[k]}
-    # Two writes on services: the test's drift and the operator's repair; nothing else.
-    assert extra == {"services": 2.0}, extra
 
 
 def new_pod_gets_traffic(env: Env, router: dict[str, Any], pod: dict[str, Any]) -> None:
@@ -541,11 +625,28 @@ def test_the_planner_grows_prefill_when_prompts_grow(env: Env) -> None:
            json.dumps({"spec": {"autoscaling": None}}))
 
 
+def serving_revisions(env: Env, ns: str, name: str) -> list[str]:
+    return [r["revision"] for r in env.get("tisvc", name, "-n", ns).get("status", {}).get("revisions") or []]
+
+
+def patch_spec(env: Env, ns: str, name: str, spec: dict[str, Any]) -> None:
+    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
+def engine_args(env: Env, ns: str, name: str) -> list[list[str]]:
+    pods = env.pods(ns, name, "prefill") + env.pods(ns, name, "decode")
+    return [p["spec"]["containers"][0]["args"] for p in pods]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
 @contextlib.contextmanager
-def steady_load(url: str, workers: int = 4) -> Iterator[list[str]]:
-    """Streamed P/D completions (prompts new to every engine, 16 tokens each) through the router at `url`, one
-    after the other on each of `workers` threads, until the block ends; yields the outcomes so far ("ok" for a
-    whole answer, else what broke)."""
+def steady_load(url: str, workers: int = 4, answers: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """Streamed P/D completions (prompts new to every engine, 16 greedy tokens each) through the router at `url`,
+    one after the other on each of `workers` threads, until the block ends; yields the outcomes so far ("ok" for
+    a whole answer, else what broke). Each whole answer's text goes into `answers` under its prompt."""
     stop, results = threading.Event(), []
 
     def load(worker: int) -> None:
@@ -562,6 +663,8 @@ def steady_load(url: str, workers: int = 4) -> Iterator[list[str]]:
             broken = r.status_code != 200 or any("error" in e for e in events) or finish != ["length"] \
                 or lines[-1:] != ["data: [DONE]"]
             results.append(f"broken: {r.status_code} {lines[-3:]}" if broken else "ok")
+            if not broken and answers is not None:
+                answers[prompt] = "".join(c.get("text", "") for e in events for c in e.get("choices", []))
 
     with ThreadPoolExecutor(workers) as pool:
         running = [pool.submit(load, w) for w in range(workers)]
@@ -577,26 +680,28 @@ DRAINED = re.compile(r"\[drain\] engine 0 drained in [0-9.]+s: (\d+) leases rele
                      r"\((\d+) released, (\d+) expired since it started\)")
 
 
-def test_both_pools_scale_down_under_load_and_nothing_is_lost(env: Env, tmp_path: Path) -> None:
-    """Prefill 2 -> 1 and decode 2 -> 1 by one spec edit (the field the planner's step down writes too) while
-    streamed P/D requests run through the router: every request answers in full, no stream breaks (no
-    migration, no replay), the surviving decode engine read every prompt's KV without a failure, and the pods
-    that left drained first: their logs say so, and no lease on the prefill engine's blocks ever ran out."""
-    ns, name = "pd", "smollm2-pd"
+def follow_engine_logs(env: Env, ns: str, name: str, log_dir: Path) -> dict[str, tuple[str, subprocess.Popen[bytes]]]:
+    """`kubectl logs -f` of every engine pod of the service into `log_dir`: pod -> (role, follower)."""
+    return {p["metadata"]["name"]: (p["metadata"]["labels"][LABEL_ROLE], subprocess.Popen(
+                ["kubectl", "logs", "-f", "-n", ns, p["metadata"]["name"]], env=dict(env.env),
+                stdout=(log_dir / f"{p['metadata']['name']}.log").open("w"), stderr=subprocess.STDOUT))
+            for role in ("prefill", "decode") for p in env.ready_pods(ns, name, role)}
+
+
+def scale_down_under_load(env: Env, ns: str, name: str, log_dir: Path, scale: Any) -> None:
+    """With prefill and decode at 2 pods each, `scale()` while streamed P/D requests run through the router, until
+    one pod of each is left: every request answers in full, no stream breaks (no migration, no replay), the
+    surviving decode engine read every prompt's KV without a failure, and the pods that left drained first:
+    their logs say so, and no lease on the prefill engine's blocks ever ran out."""
     eventually(lambda: len(env.ready_pods(ns, name, "prefill")) == len(env.ready_pods(ns, name, "decode")) == 2,
                300, "prefill and decode never stood at 2 pods each", interval_s=1)
     (router,) = env.ready_pods(ns, name, "router")
     url = env.url(router)
-    engines = {p["metadata"]["name"]: p["metadata"]["labels"][LABEL_ROLE]
-               for role in ("prefill", "decode") for p in env.ready_pods(ns, name, role)}
-    followers = {pod: subprocess.Popen(["kubectl", "logs", "-f", "-n", ns, pod], env=dict(env.env),
-                                       stdout=(tmp_path / f"{pod}.log").open("w"), stderr=subprocess.STDOUT)
-                 for pod in engines}
+    followers = follow_engine_logs(env, ns, name, log_dir)
     migrations = metric(url, "tandem:router_migrations_total")
     with steady_load(url) as results:
         eventually(lambda: len(results) >= 8, 180, "the load never got going", interval_s=0.5)
-        env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
-               json.dumps({"spec": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}))
+        scale()
         left = f"{LABEL_ISVC}={name},{LABEL_ROLE} in (prefill,decode)"
         eventually(lambda: len(env.get("pods", "-n", ns, "-l", left)["items"]) == 2, 180,
                    "the pools did not shrink to one pod each", interval_s=1)
@@ -608,20 +713,46 @@ def test_both_pools_scale_down_under_load_and_nothing_is_lost(env: Env, tmp_path
     assert metric(env.url(decode), "tandem:kv_transfer_failures_total") == 0
     assert metric(env.url(decode), "tandem:kv_transfer_received_blocks_total") > 0
     staying = {p["metadata"]["name"] for role in ("prefill", "decode") for p in env.pods(ns, name, role)}
-    gone = sorted(set(engines) - staying)
-    assert sorted(engines[p] for p in gone) == ["decode", "prefill"], (gone, staying)
+    gone = sorted(set(followers) - staying)
+    assert sorted(followers[p][0] for p in gone) == ["decode", "prefill"], (gone, staying)
     for pod in gone:
-        followers[pod].wait(60)
-        log = (tmp_path / f"{pod}.log").read_text()
+        role, follower = followers[pod]
+        follower.wait(60)
+        log = (log_dir / f"{pod}.log").read_text()
         assert "[drain] engine 0 draining for up to 30s" in log, log[-3000:]
         drained = DRAINED.search(log)
         assert drained, log[-3000:]
         assert (drained[2], drained[4]) == ("0", "0"), drained[0]  # no lease ran out, before or during the drain
-        if engines[pod] == "prefill":
+        if role == "prefill":
             assert int(drained[3]) > 0, drained[0]  # it served decode engines, and each released its lease
-        print(f"{engines[pod]} {pod}:", *[ln for ln in log.splitlines() if "[drain]" in ln], sep="\n  ")
-    for f in followers.values():
-        f.terminate()
+        print(f"{role} {pod}:", *[ln for ln in log.splitlines() if "[drain]" in ln], sep="\n  ")
+    for _, follower in followers.values():
+        follower.terminate()
+
+
+def test_the_planner_steps_both_pools_down_under_load_and_nothing_is_lost(env: Env, tmp_path: Path) -> None:
+    """The planner, its targets far above what a light load costs, steps prefill 2 -> 1 and decode 2 -> 1 in the
+    middle of that load (marking the pods' deletion cost first): nothing is lost (scale_down_under_load)."""
+    ns, name = "pd", "smollm2-pd"
+
+    def planner_on() -> None:
+        autoscale(env, ns, name, {"prefill": {"minReplicas": 1, "maxReplicas": 2},
+                                  "decode": {"minReplicas": 1, "maxReplicas": 2},
+                                  "targets": {"ttftSeconds": 60, "itlSeconds": 10}, "intervalSeconds": 2,
+                                  "scaleDown": {"stabilizationSeconds": 4}})
+
+    scale_down_under_load(env, ns, name, tmp_path, planner_on)
+    downs = scaling_events(env, ns, name, "ScaledDown")
+    assert sorted(m.split(":")[0] for m in downs) == ["decode 2->1", "prefill 2->1"], downs
+    patch_spec(env, ns, name, {"autoscaling": None, "prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+
+
+def test_both_pools_scale_down_under_load_and_nothing_is_lost(env: Env, tmp_path: Path) -> None:
+    """Prefill 2 -> 1 and decode 2 -> 1 by one spec edit (the field `kubectl scale` writes too) in the middle of a
+    load: nothing is lost (scale_down_under_load)."""
+    ns, name = "pd", "smollm2-pd"
+    scale_down_under_load(env, ns, name, tmp_path, lambda: patch_spec(
+        env, ns, name, {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}))
     time.sleep(5)  # a planner still running would scale prefill up again under this load's TTFT
     assert env.get("tisvc", name, "-n", ns)["spec"]["prefill"]["replicas"] == 1
 
@@ -658,55 +789,199 @@ def test_kv_transfer_verified_follows_what_the_engines_count(env: Env) -> None:
                interval_s=3)
 
 
-def test_a_rollout_kv_cannot_cross_loses_no_request_and_pairs_within_each_revision(env: Env) -> None:
-    """engine.blockSize 16 -> 32 under a steady load of streamed P/D requests: a change no KV can cross (a decode
-    engine refuses blocks of another size), so while old and new pods serve side by side the router must pair
-    each request's prefill and decode within one revision. Every request answers in full, no stream breaks,
-    no KV load fails on any decode engine, both revisions took requests, and status.revisions ends with the
-    new one alone."""
+def test_kv_transfer_verified_says_transfer_failed_while_ucx_cannot_connect(env: Env) -> None:
+    """kvTransfer.ucx.netDevices `lo`: UCX may use only each pod's loopback, so no decode engine can reach a
+    prefill engine's blocks. Streamed requests still answer (the router replays them with local prefill), but
+    KVTransferVerified goes False with reason TransferFailed and a Warning Event, within two intervals of
+    the first failure; back to the pods' network, it goes True again."""
     ns, name = "pd", "smollm2-pd"
-    # Ticks every 2 s (the planner holds both roles at 1: nothing scales), so that the status sees the overlap.
-    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"autoscaling": {
+    patch_spec(env, ns, name, {"kvTransfer": {"ucx": {"netDevices": "lo"}}, "autoscaling": {
         "prefill": {"minReplicas": 1, "maxReplicas": 1}, "decode": {"minReplicas": 1, "maxReplicas": 1},
-        "intervalSeconds": 2}}}))
+        "intervalSeconds": 5}})
+    sent = iter(range(100_000))
 
-    def serving() -> list[str]:
-        return [r["revision"] for r in env.get("tisvc", name, "-n", ns).get("status", {}).get("revisions") or []]
+    def devices() -> list[str | None]:
+        return [next((e.get("value") for e in p["spec"]["containers"][0].get("env", [])
+                      if e["name"] == "UCX_NET_DEVICES"), None)
+                for role in ("prefill", "decode") for p in env.pods(ns, name, role)]
 
-    (old,) = eventually(lambda: len(serving()) == 1 and serving(), 60, "status.revisions never showed the revision")
+    def verified() -> tuple[str, str]:
+        """A long streamed prompt (a stream whose KV load fails is replayed with local prefill: it still answers
+        whole), then the condition as it stands."""
+        (router,) = env.ready_pods(ns, name, "router")
+        with httpx.stream("POST", env.url(router) + "/v1/completions", timeout=300, json={
+                "model": "smollm2-135m-instruct", "prompt": f"Memo {next(sent)}: " + "a long document line. " * 20,
+                "max_tokens": 2, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1:] == ["data: [DONE]"], lines
+        assert not [ln for ln in lines if '"error"' in ln], lines
+        c = condition(env.get("tisvc", name, "-n", ns), "KVTransferVerified")
+        return c.get("status", ""), c.get("reason", "")
+
+    eventually(lambda: devices() == ["lo", "lo"] and len(env.ready_pods(ns, name, "decode")) == 1
+               and len(env.ready_pods(ns, name, "prefill")) == 1, 300, "the engines did not roll", interval_s=1)
+    eventually(lambda: verified() == ("False", "TransferFailed"), 60,
+               "KV could not move, and the condition did not say so", interval_s=2)
+    (warning,) = scaling_events(env, ns, name, "TransferFailed")[:1]
+    print("KVTransferVerified False:", warning)
+    (decode,) = env.ready_pods(ns, name, "decode")
+    assert metric(env.url(decode), "tandem:kv_transfer_failures_total") > 0
+    patch_spec(env, ns, name, {"kvTransfer": {"ucx": {"netDevices": None}}})
+    eventually(lambda: devices() == [None, None] and len(env.ready_pods(ns, name, "decode")) == 1
+               and len(env.ready_pods(ns, name, "prefill")) == 1, 300, "the engines did not roll back",
+               interval_s=1)
+    eventually(lambda: verified() == ("True", "KVReceived"), 120, "KV moves again, but the condition stayed False",
+               interval_s=2)
+
+
+def greedy_answers(prompts: list[str], block_sizes: tuple[int, ...], log_dir: Path) -> dict[int, dict[str, str]]:
+    """What a local float32 engine answers to each prompt (16 greedy tokens), per KV block size."""
+    out: dict[int, dict[str, str]] = {}
+    for block_size in block_sizes:
+        with run_server(["--block-size", str(block_size), "--max-model-len", "2048"], log_dir) as server:
+            def one(prompt: str, url: str = server.url) -> tuple[str, str]:
+                r = httpx.post(url + "/v1/completions", timeout=300, json={
+                    "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+                    "temperature": 0})
+                r.raise_for_status()
+                return prompt, r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(4) as pool:
+                out[block_size] = dict(pool.map(one, prompts))
+    return out
+
+
+def not_greedy(answers: dict[str, str], block_sizes: tuple[int, ...], log_dir: Path) -> list[str]:
+    """The answers that equal no local engine's greedy answer to the same prompt (at any of `block_sizes`:
+    while two revisions serve, a request may have taken either)."""
+    refs = greedy_answers(sorted(answers), block_sizes, log_dir)
+    return [f"{p!r}: {a!r} vs {[refs[b][p] for b in block_sizes]}" for p, a in answers.items()
+            if all(refs[b][p] != a for b in block_sizes)]
+
+
+def roll_under_load(env: Env, ns: str, name: str, change: dict[str, Any], done: Any,
+                    answers: dict[str, str]) -> tuple[str, str, str]:
+    """`change` to the spec while a steady load of streamed P/D requests runs through the router, until `done`
+    (given each engine pod's args) holds for both one-pod roles and status.revisions shows one new revision.
+    Asserts that every request answered in full and none was migrated or replayed (no stream broke); returns
+    the old revision, the new, and the router's URL."""
+    (old,) = eventually(lambda: len(serving_revisions(env, ns, name)) == 1 and serving_revisions(env, ns, name),
+                        60, "status.revisions never showed the revision")
     (router,) = env.ready_pods(ns, name, "router")
     url, seen = env.url(router), []
     migrations = metric(url, "tandem:router_migrations_total")
-    with steady_load(url) as results:
+    with steady_load(url, answers=answers) as results:
         eventually(lambda: len(results) >= 8, 180, "the load never got going", interval_s=0.5)
-        env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
-               json.dumps({"spec": {"engine": {"blockSize": 32}}}))
+        patch_spec(env, ns, name, change)
 
         def rolled() -> bool:
-            seen.append(serving())
-            pods = env.pods(ns, name, "prefill") + env.pods(ns, name, "decode")
-            args = [p["spec"]["containers"][0]["args"] for p in pods]
-            return len(pods) == 2 and all(a[a.index("--block-size") + 1] == "32" for a in args) \
-                and len(seen[-1]) == 1 and seen[-1] != [old]
+            seen.append(serving_revisions(env, ns, name))
+            args = engine_args(env, ns, name)
+            return len(args) == 2 and all(done(a) for a in args) and len(seen[-1]) == 1 and seen[-1] != [old]
 
         eventually(rolled, 300, "the rollout did not finish", interval_s=1)
-        done = len(results)
-        eventually(lambda: len(results) >= done + 4, 120, "the load did not go on on the new revision")
+        # Requests started once the new revision's prefill engine was admitted move their KV to its decode.
+        eventually(lambda: all(metric(env.url(p), "tandem:kv_transfer_received_blocks_total") > 0
+                               for p in env.ready_pods(ns, name, "decode")), 120,
+                   "no KV moved to the new revision's decode engine under the load", interval_s=1)
     assert results and all(r == "ok" for r in results), [r for r in results if r != "ok"]
     assert metric(url, "tandem:router_migrations_total") == migrations
     (new,) = seen[-1]
-    # Both revisions took requests during the change (each pod of one role rolls within a second or two, so
-    # status.revisions, written every 2 s, may or may not catch both at once).
-    assert metric(url, "tandem:router_revision_requests_total", revision=old) > 0
-    assert metric(url, "tandem:router_revision_requests_total", revision=new) > 0
     (last,) = env.get("tisvc", name, "-n", ns)["status"]["revisions"]
     assert (last["revision"], last["prefill"], last["decode"]) == (new, 1, 1), last
     for pod in env.ready_pods(ns, name, "decode"):
         assert metric(env.url(pod), "tandem:kv_transfer_failures_total") == 0
-        assert metric(env.url(pod), "tandem:kv_transfer_received_blocks_total") > 0
-    env.ok("kubectl", "patch", "tisvc", name, "-n", ns, "--type=merge", "-p",
-           json.dumps({"spec": {"autoscaling": None}}))
-    print("status.revisions during the rollout:", [r for i, r in enumerate(seen) if i == 0 or r != seen[i - 1]])
+    changes = [r for i, r in enumerate(seen) if i == 0 or r != seen[i - 1]]
+    print(f"{change}: {len(results)} requests, status.revisions during the rollout: {changes}")
+    return old, new, url
+
+
+def test_a_rollout_of_a_shared_setting_loses_no_request_and_every_answer_is_greedy(
+        env: Env, tmp_path: Path) -> None:
+    """engine.maxModelLen 2048 -> 1024 (a change KV could cross, but which rolls both roles) under a steady load
+    of streamed P/D requests: every request answers in full, no stream breaks, no KV load fails, and every
+    answer equals a local engine's greedy answer to the same prompt. The engines run float32 first (a change
+    made without load): in bfloat16 a matmul's rounding depends on the batch's shape."""
+    ns, name = "pd", "smollm2-pd"
+    # Ticks every 2 s (the planner holds both roles at 1: nothing scales), so that the status sees the overlap.
+    patch_spec(env, ns, name, {"engine": {"dtype": "float32"}, "autoscaling": {
+        "prefill": {"minReplicas": 1, "maxReplicas": 1}, "decode": {"minReplicas": 1, "maxReplicas": 1},
+        "intervalSeconds": 2}})
+    eventually(lambda: (a := engine_args(env, ns, name)) and len(a) == 2
+               and all(flag(x, "--dtype") == "float32" for x in a) and len(env.ready_pods(ns, name, "decode")) == 1
+               and len(env.ready_pods(ns, name, "prefill")) == 1, 300, "the engines never ran float32",
+               interval_s=1)
+    answers: dict[str, str] = {}
+    roll_under_load(env, ns, name, {"engine": {"maxModelLen": 1024}},
+                    lambda a: flag(a, "--max-model-len") == "1024", answers)
+    assert not not_greedy(answers, (16,), tmp_path), not_greedy(answers, (16,), tmp_path)[:5]
+
+
+def test_a_rollout_kv_cannot_cross_loses_no_request_and_pairs_within_each_revision(
+        env: Env, tmp_path: Path) -> None:
+    """engine.blockSize 16 -> 32 under a steady load of streamed P/D requests: a change no KV can cross (a decode
+    engine refuses blocks of another size), so while old and new pods serve side by side the router must pair
+    each request's prefill and decode within one revision. Every request answers in full with the greedy
+    answer, no stream breaks, no KV load fails on any decode engine, both revisions took requests, and
+    status.revisions ends with the new one alone."""
+    ns, name = "pd", "smollm2-pd"
+    answers: dict[str, str] = {}
+    old, new, url = roll_under_load(env, ns, name, {"engine": {"blockSize": 32}},
+                                           lambda a: flag(a, "--block-size") == "32", answers)
+    # Both revisions took requests during the change (each pod of one role rolls within a second or two, so
+    # status.revisions, written every 2 s, may or may not catch both at once).
+    assert metric(url, "tandem:router_revision_requests_total", revision=old) > 0
+    assert metric(url, "tandem:router_revision_requests_total", revision=new) > 0
+    wrong = not_greedy(answers, (16, 32), tmp_path)
+    assert not wrong, wrong[:5]
+
+
+def cpu_millis(quantity: str) -> int:
+    return int(quantity[:-1]) if quantity.endswith("m") else round(float(quantity) * 1000)
+
+
+def free_cpu(env: Env, node: str, leaving: tuple[str, ...] = ()) -> int:
+    """Millicores of `node` that no pod requests, counting the pods whose names start with `leaving` as gone."""
+    allocatable = cpu_millis(env.get("node", node)["status"]["allocatable"]["cpu"])
+    pods = env.get("pods", "-A", "--field-selector",
+                   f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed")["items"]
+    used = sum(cpu_millis(c.get("resources", {}).get("requests", {}).get("cpu", "0"))
+               for p in pods if not (leaving and p["metadata"]["name"].startswith(leaving))
+               for c in p["spec"]["containers"])
+    return allocatable - used
+
+
+def test_drain_first_rolls_a_full_node_and_loses_no_request(env: Env, tmp_path: Path) -> None:
+    """rollout.strategy DrainFirst, with the engines' CPU requests sized so that the node has room for no third
+    engine pod (a Surge rollout would wait for room forever): engine.blockSize 32 -> 16 under the same steady
+    load rolls both roles, each old pod draining before its replacement starts. Meanwhile the router pairs
+    within a revision, prefills on decode while no prefill engine of the request's revision is up, and holds
+    requests while no decode engine is Ready: every request answers in full with the greedy answer, and no
+    KV load fails."""
+    ns, name = "pd", "smollm2-pd"
+    (pod,) = env.ready_pods(ns, name, "decode")
+    node = pod["spec"]["nodeName"]
+    # Two engine pods fit, a third does not (the requests roll the pods once more, DrainFirst already).
+    share = free_cpu(env, node, leaving=(f"{name}-prefill-", f"{name}-decode-")) * 45 // 100
+    requests = {"resources": {"requests": {"cpu": f"{share}m"}}}
+    patch_spec(env, ns, name, {"rollout": {"strategy": "DrainFirst", "holdSeconds": 120},
+                               "prefill": requests, "decode": requests})
+    for role in ("prefill", "decode"):
+        eventually(lambda r=role: [cpu_millis(p["spec"]["containers"][0]["resources"]["requests"]["cpu"])
+                                   for p in env.ready_pods(ns, name, r)] == [share]
+                   and len(env.pods(ns, name, r)) == 1, 300, f"{role} did not roll to its new request", interval_s=1)
+    eventually(lambda: [flag(p["spec"]["containers"][0]["args"], "--cold-start-timeout")
+                        for p in env.pods(ns, name, "router")] == ["120"] and env.ready_pods(ns, name, "router"),
+               120, "the router did not roll to hold requests")
+    assert free_cpu(env, node) < share, "the node still has room for another engine pod"
+    deploy = env.get("deploy", f"{name}-decode", "-n", ns)
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    answers: dict[str, str] = {}
+    roll_under_load(env, ns, name, {"engine": {"blockSize": 16}}, lambda a: flag(a, "--block-size") == "16", answers)
+    wrong = not_greedy(answers, (16, 32), tmp_path)
+    assert not wrong, wrong[:5]
+    patch_spec(env, ns, name, {"autoscaling": None, "rollout": None,
+                               "prefill": {"resources": None}, "decode": {"resources": None}})
 
 
 def test_colocated_example_serves(env: Env, reference: dict[str, str]) -> None:
