@@ -37,6 +37,7 @@ from cluster_utils import (
     wait_ready,
 )
 from isvc_utils import INVALID, variant
+from kubernetes.utils import parse_quantity
 from tests.engine.engine_server import run_server
 from tests.k8s.cluster import Cluster, eventually, port_forward
 
@@ -937,7 +938,7 @@ def test_a_rollout_kv_cannot_cross_loses_no_request_and_pairs_within_each_revisi
 
 
 def cpu_millis(quantity: str) -> int:
-    return int(quantity[:-1]) if quantity.endswith("m") else round(float(quantity) * 1000)
+    return int(parse_quantity(quantity) * 1000)
 
 
 def free_cpu(env: Env, node: str, leaving: tuple[str, ...] = ()) -> int:
