@@ -72,6 +72,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: step_token_budget's device default
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # The tool-call format (entrypoints/tools.py): auto, smollm2 or hermes.
+    tool_call_parser: str = "auto"
     # The API server answers 429 rather than let more requests than this wait for a free running slot
     # (docs/operations.md, "Overload: priorities and the waiting bound").
     max_waiting_requests: int = 1024

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem_engine.protocol import EngineCoreRequest
 from tandem_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem_engine.core.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +69,8 @@ class Request:
         # Chained hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list[int] = []
         self.first_scheduled_time: float | None = None
+        # Where the request stands in its grammar (sampling_params.grammar), from before its first step.
+        self.grammar: Grammar | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

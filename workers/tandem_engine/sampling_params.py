@@ -23,6 +23,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Number of top logprobs to return per generated token; None: no logprobs at all.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output: an llguidance grammar (its JSON definition, as the frontend built and checked it
+    # from response_format, structured_outputs or tool_choice); every sampled token obeys it.
+    grammar: str | None = None
+    # The last this-many prompt tokens are output already made (`resume_token_ids`): the grammar starts
+    # after them.
+    resumed_tokens: int = 0
 
     @property
     def greedy(self) -> bool:

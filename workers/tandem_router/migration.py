@@ -44,6 +44,15 @@ CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "s
            "include_stop_str_in_output", "spaces_between_special_tokens", "priority", "user")
 
 
+def constrained(req: ParsedRequest) -> bool:
+    """A request whose answer follows a grammar or carries tool calls: it resumes as itself, on its own endpoint,
+    with `resume_token_ids` (the engine starts the grammar and the tool-call parser after them)."""
+    b = req.body
+    fmt = b.get("response_format")
+    return bool(b.get("structured_outputs")) or (isinstance(fmt, dict) and fmt.get("type", "text") != "text") \
+        or (bool(b.get("tools")) and b.get("tool_choice") != "none")
+
+
 def can_migrate(req: ParsedRequest) -> bool:
     """One streamed sequence without logprobs: what a continuation can reproduce chunk for chunk."""
     b = req.body
@@ -75,6 +84,7 @@ class StreamState:
     migrations: int = 0
     resumed_from: int = 0  # ids generated before the current engine took over
     usage: dict[str, Any] | None = None
+    as_itself: bool = False  # resumed on its own endpoint (`constrained`), its chunks already in the client's format
 
     def rewrite(self, event: dict[str, Any], resumed: bool) -> dict[str, Any] | None:
         """Record one upstream chunk and return it as the client must see it (None: send nothing)."""
@@ -98,7 +108,12 @@ class StreamState:
         if usage := event.get("usage"):
             self.usage = self._whole_usage(usage, resumed)
             event["usage"] = self.usage
-        if resumed:
+        if resumed and self.as_itself:
+            event.update(id=self.first_id, created=self.created, model=self.model)
+            if choices and all(set(c.get("delta") or {}) == {"role"} and not c.get("finish_reason")
+                               for c in choices):
+                return None  # the resumed engine's opening role chunk: the client had one
+        elif resumed:
             event = self._as_client_chunk(event)
         if not choices and event.get("usage") and not self.client_wants_usage:
             return None
@@ -132,14 +147,18 @@ class StreamState:
         return out
 
     def continuation(self, req: ParsedRequest) -> dict[str, Any] | None:
-        """The completions body that resumes this answer, or None when nothing can (no prompt ids, or
-        the token budget is spent)."""
+        """The body that resumes this answer, or None when nothing can (no prompt ids, or the token budget is
+        spent): the client's request with `resume_token_ids` where it is `constrained` (to its own endpoint),
+        else a completions body whose prompt is the prompt's ids and the answer's."""
         if self.prompt_ids is None:
             return None
-        body: dict[str, Any] = {k: req.body[k] for k in CARRIED if k in req.body}
         limit = token_limit(req.kind, req.body)
         if limit is not None and limit - len(self.generated) <= 0:
             return None
+        if self.as_itself:
+            return {**req.body, "resume_token_ids": list(self.generated), "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {k: req.body[k] for k in CARRIED if k in req.body}
         # null: to the end of the context (a chat without a limit); a completions body without the field
         # would stop at OpenAI's default of 16
         body["max_tokens"] = None if limit is None else limit - len(self.generated)
@@ -239,7 +258,9 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
         return await relay(router, request, up, request_id, t_start)
     metrics, cfg = router.metrics, router.config
     state = StreamState(req.kind, bool(req.body.get("return_token_ids")),
-                        bool((req.body.get("stream_options") or {}).get("include_usage")))
+                        bool((req.body.get("stream_options") or {}).get("include_usage")), as_itself=constrained(req))
+    resume_path = ("/v1/chat/completions" if req.kind == "chat" else "/v1/completions") if state.as_itself \
+        else "/v1/completions"
     out = web.StreamResponse(status=up.resp.status, headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **up.headers(request_id)})
     await out.prepare(request)
@@ -297,7 +318,7 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
                 break
             try:
                 # On the same revision where one is up: the same model and settings continue the answer.
-                up = await open_upstream(router, router.decode, "/v1/completions", json.dumps(body).encode(),
+                up = await open_upstream(router, router.decode, resume_path, json.dumps(body).encode(),
                                          rreq, headers, exclude=tried,
                                          revision=router.revision_up(router.decode, ep.revision, tried))
             except NoEndpoint as e:

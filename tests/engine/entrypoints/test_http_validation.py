@@ -49,7 +49,27 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None, str]] = [
     ({"prompt": "hi", "seed": 2**64}, 400, "seed", ""),
     ({"prompt": "hi", "top_k": 10**20}, 400, "top_k", ""),
     ({"prompt": [10**30]}, 400, "prompt", ""),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format", "json_schema"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400,
+     "response_format", "name"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integerx"}}}}}}, 400,
+     "response_format", "Invalid type: integerx"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format", "uniqueItems"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, 400, "response_format", "missing"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs", "send one"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "structured_outputs",
+     "exactly one"),
+    ({"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs", "exactly one"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs", "regex"),
+    ({"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "structured_outputs", "non-empty"),
+    ({"prompt": "hi", "structured_outputs": {"grammar": "start: foo"}}, 400, "structured_outputs", "foo"),
+    ({"prompt": "hi", "structured_outputs": {"json": "{not json"}}, 400, "structured_outputs", "not JSON"),
+    ({"prompt": "hi", "structured_outputs": {"structural_tag": "{}"}}, 400, "structured_outputs",
+     "not supported"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of", ""),
     ({"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
 ]
@@ -84,7 +104,23 @@ BAD_CHAT: list[tuple[dict[str, Any], int, str | None, str]] = [
     ({"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "64"),
     ({"messages": CHAT, "max_tokens": 60}, 400, "max_tokens", "60"),
     ({"messages": CHAT, "model": "nope"}, 404, "model", ""),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", ""),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, 400, "tools", "name"),
+    ({"messages": CHAT, "tools": [{"type": "function"}], "tool_choice": "none"}, 400, "tools", "name"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools", "name"),
+    ({"messages": CHAT, "tools": [{"type": "retrieval"}]}, 400, "tools", "function"),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f"}}, {"function": {"name": "f"}}]}, 400, "tools",
+     "second"),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f", "parameters": []}}]}, 400, "tools", "parameters"),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+        "name": "g"}}}, 400, "tool_choice", "'g'"),
+    ({"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "needs tools"),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f"}}], "tool_choice": "always"}, 400, "tool_choice", ""),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f"}}], "tool_choice": {"type": "function"}}, 400,
+     "tool_choice", "name"),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integerx"}}}}}], "tool_choice": "required"}, 400, "tool_choice", "integerx"),
+    ({"messages": CHAT, "tools": [{"function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, "tool_choice", "send one"),
 ]
 
 
@@ -144,7 +180,7 @@ async def test_accepted_no_op_fields(client: httpx.AsyncClient, engine: ToyEngin
     body = {
         "messages": CHAT,
         "max_tokens": 1,
-        "tools": [{"type": "function"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "none",
         "response_format": {"type": "text"},
         "user": "u",

@@ -89,9 +89,10 @@ class ToyEngine(EngineClient):
     def detokenize(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids if t != BOS)  # chr raises ValueError past 0x10FFFF
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> str:
         for m in messages:
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise RequestError(f"unknown role {m['role']!r}", param="messages")
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
         return "\x01" + text + ("<assistant>" if add_generation_prompt else "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -11,11 +12,12 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.core.kv_events import AllBlocksCleared, EngineLoad, KVEvent, KVEventBatch, KVEventPublisher
 from tandem_engine.core.scheduler import Scheduler
+from tandem_engine.core.structured_output import Grammar, GrammarCompiler
 from tandem_engine.kv_transfer.factory import make_connector
 from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
 from tandem_engine.kv_transfer.nixl_connector import new_engine_id
 from tandem_engine.models.amx_matmul import expects_amx_float32
-from tandem_engine.models.loader import load_model, pick_dtype, resolve_model
+from tandem_engine.models.loader import load_model, pick_dtype, resolve_model, weights_dir
 from tandem_engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
 from tandem_engine.worker.model_runner import ModelRunner
@@ -69,6 +71,9 @@ class EngineCore:
             self.kv_connector, config.kv_failure_policy, config.scheduling_policy,
         )
         self._idle = True  # the last step computed nothing and produced no output
+        # Structured output: grammars compile on a worker thread; their requests wait here meanwhile.
+        self.grammars = GrammarCompiler(weights_dir(src), int(loaded.hf_config.vocab_size), loaded.eos_token_ids)
+        self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
         warm = self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("[startup] engine %d ready in %.1fs (warm-up %.2fs): %s %s, quantization %s, %d KV blocks "
@@ -80,16 +85,46 @@ class EngineCore:
     def add_request(self, req: Request | EngineCoreRequest) -> None:
         if isinstance(req, EngineCoreRequest):
             req = Request.from_engine_core_request(req)
+        if req.sampling_params.grammar is not None and req.grammar is None:
+            if req.request_id in self._compiling or req.request_id in self.scheduler.requests:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            self._compiling[req.request_id] = (req, self.grammars.submit(req.sampling_params.grammar))
+            return
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if (entry := self._compiling.pop(rid, None)) is not None:
+                entry[1].cancel()
+                self.scheduler.reject(entry[0], RequestStatus.FINISHED_ABORTED)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     @property
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests
+        return self.scheduler.has_requests or bool(self._compiling)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready go to the scheduler (in their order of arrival), at the grammar's
+        start; one whose grammar failed to compile ends with an error."""
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                req.grammar = future.result()
+            except ValueError as exc:
+                self.scheduler.reject(req, RequestStatus.FINISHED_ERROR, f"the grammar does not compile: {exc}")
+                continue
+            resumed = req.sampling_params.resumed_tokens
+            if resumed and not req.grammar.accept_all(req.prompt_token_ids[-resumed:]):
+                self.scheduler.reject(req, RequestStatus.FINISHED_ERROR,
+                                      f"the resumed tokens do not follow the grammar: {req.grammar.error}")
+                continue
+            self.scheduler.add_request(req)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._compiling:
+            self._admit_compiled()
         if self.kv_worker is not None:
             self.scheduler.update_from_kv_output(self.kv_worker.get_finished(), time.monotonic())
         sched = self.scheduler.schedule()
@@ -136,8 +171,10 @@ class EngineCore:
 
     def wait_timeout(self) -> float | None:
         """How long the busy loop may block on its input queue: 0 not at all, None until input."""
-        if self.has_requests and not self._idle:
+        if self.scheduler.has_requests and not self._idle:
             return 0.0
+        if self._compiling:
+            return 0.002  # a grammar compiling: look again soon (new input still wakes the loop at once)
         if self.kv_worker is None or self.kv_connector is None:
             return 0.0 if self.has_requests else None
         if self.kv_worker.transfers_in_flight:
@@ -151,6 +188,7 @@ class EngineCore:
         return min(timeouts, default=None)
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self.kv_worker is not None:
             self.kv_worker.shutdown()
         if self.kv_events is not None:

@@ -119,6 +119,13 @@ class Scheduler:
                                  num_cached_tokens=max(req.num_cached_tokens, 0), error=error)
             )
 
+    def reject(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End a request the scheduler never took (its grammar did not compile, or it was aborted while it
+        compiled): only its final output is owed."""
+        req.status = status
+        self._finished_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason=status.finish_reason,
+                                                       error=error))
+
     @property
     def has_requests(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs)
@@ -257,6 +264,12 @@ class Scheduler:
             tok = sampled[req.request_id]
             req.append_output_token(tok.token_id)
             status = self._check_stop(req, tok.token_id)
+            error = None
+            if req.grammar is not None and status is not RequestStatus.FINISHED_LENGTH:
+                if not req.grammar.accept(tok.token_id):  # the mask allowed it: only a library fault lands here
+                    status, error = RequestStatus.FINISHED_ERROR, f"structured output: {req.grammar.error}"
+                elif req.grammar.stopped and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (ignore_eos, say)
             logprobs = None
             if tok.logprob is not None:
                 logprobs = Logprobs([tok.logprob], [tok.top_ids or []], [tok.top_logprobs or []])
@@ -269,6 +282,7 @@ class Scheduler:
                 output.finish_reason = status.finish_reason
                 output.stop_reason = req.stop_reason
                 output.kv_transfer_params = self._free_finished(req)
+                output.error = error
             outputs.append(output)
         return outputs
 

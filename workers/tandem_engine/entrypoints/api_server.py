@@ -85,7 +85,7 @@ def build_app(engine: EngineClient, registry: prometheus_client.CollectorRegistr
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("Give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            tokens = render_chat(engine, req.messages, req.add_generation_prompt)
+            tokens, _ = render_chat(engine, req.messages, req.add_generation_prompt, req.tools, req.tool_choice)
         else:
             tokens = engine.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
         body = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)

@@ -30,6 +30,7 @@ from tandem_engine.config import (
     Quantization,
     SchedulingPolicy,
 )
+from tandem_engine.entrypoints.tools import TOOL_FORMATS
 
 logger = logging.getLogger("tandem_engine.serve")
 KEEP_ALIVE_SECONDS = 75  # above the router's keepalive_timeout (tandem_router/router.py)
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="none: dense weights; int8: dynamic int8 projections (weights per output "
                        "channel, activations per token); gguf: the GGUF file's own Q4_1/Q8_0 blocks through "
                        "a C kernel; both float32 only")
+    model.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=TOOL_FORMATS,
+                       help="the format of tool calls in the model's text: smollm2 (a JSON list in one "
+                       "<tool_call> tag), hermes (one object per tag, Qwen2.5/3); auto: hermes where the chat "
+                       "template renders tools, else smollm2")
     model.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context length; None: the model's")
     model.add_argument("--cache-dir", default=d.cache_dir,

@@ -137,11 +137,16 @@ class SamplingRequest(RequestModel):
     priority: Int64 = 0
     # The prompt's and every chunk's token ids in the answer (docs/contracts.md, "Token ids").
     return_token_ids: bool = False
-    # Not served: accepted only in their no-op form ({"type": "text"}), rejected otherwise.
+    # tandem extension: continue an answer whose first tokens these are (docs/contracts.md, "Resuming a request").
+    resume_token_ids: list[TokenId] | None = None
+    # Structured outputs (entrypoints/structured.py): OpenAI's response_format, vLLM's structured_outputs.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """These sampling fields as SamplingParams; raises OpenAIError for values out of range."""
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           tools_grammar: str | None = None) -> SamplingParams:
+        """These sampling fields as SamplingParams; raises OpenAIError for values out of range, and for a
+        grammar (`tools_grammar`: the one chat's tool_choice demands) that cannot be compiled."""
         if not 1 <= self.n <= MAX_N:
             raise OpenAIError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -152,8 +157,8 @@ class SamplingRequest(RequestModel):
             raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
         if self.logit_bias:
             raise OpenAIError("logit_bias is not supported", param="logit_bias")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise OpenAIError("response_format other than text is not supported", param="response_format")
+        from tandem_engine.entrypoints.structured import request_grammar  # it raises this module's OpenAIError
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -165,6 +170,7 @@ class SamplingRequest(RequestModel):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            "grammar": request_grammar(self.response_format, self.structured_outputs, tools_grammar),
         }
         optional = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
         for name in (*optional, "repetition_penalty"):
@@ -222,9 +228,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
-    # Tool calling is not served: tools are accepted only with tool_choice "none".
+    # Tool calling (entrypoints/tools.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(RequestModel):
@@ -233,6 +240,9 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # A chat's tools render into its prompt, as on /v1/chat/completions.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -278,11 +288,14 @@ class ChatLogProbs(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # The calls parsed out of the answer (OpenAI's shape); left out when there are none.
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="plain")
     def _without_nulls(self) -> dict[str, Any]:
@@ -292,6 +305,8 @@ class DeltaMessage(OpenAIModel):
             out["role"] = self.role
         if self.content is not None:
             out["content"] = self.content
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
         return out
 
 

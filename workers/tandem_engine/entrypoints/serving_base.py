@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import msgspec
 from fastapi import Request, Response
 from pydantic import BaseModel
 
@@ -45,6 +46,7 @@ from tandem_engine.entrypoints.serving_common import (
     sse,
     unless_disconnected,
 )
+from tandem_engine.entrypoints.tools import ToolCallParser, ToolPlan
 from tandem_engine.frontend.interface import EngineClient, RequestOutput, TokenLogprob
 from tandem_engine.sampling_params import SamplingParams
 
@@ -67,14 +69,19 @@ class ChoiceOutput:
     # the choice's first chunk (and on a whole answer); None otherwise.
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # Chat with tools: the calls parsed out of the text (OpenAI's shape; streamed, with their index).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class Prepared:
-    """The engine's view of one HTTP request: token ids and sampling params per prompt."""
+    """The engine's view of one HTTP request: token ids and sampling params per prompt, and on chat the tools
+    whose calls are parsed out of each answer."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
+    tools: ToolPlan | None = None
+    resumed_text: str = ""  # the text of `resume_token_ids`, which the tool-call parser has read already
 
 
 class OpenAIServing(ABC, Generic[RequestT]):
@@ -114,19 +121,40 @@ class OpenAIServing(ABC, Generic[RequestT]):
             raise OpenAIError(f"priority {req.priority} needs the engine's --scheduling-policy priority",
                               param="priority")
         prepared = self.prepare(req)
+        if req.resume_token_ids:
+            self._resume(req, prepared)
         if req.kv_transfer_params is not None and len(prepared.prompts) * req.n > 1:
             raise OpenAIError("kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
         request_id = random_id(self.id_prefix)
         jobs = make_jobs(request_id, prepared.prompts, prepared.params, req.n, req.priority)
         group = GenerationGroup(self.engine, jobs, req.kv_transfer_params)
+        parses = prepared.tools is not None and prepared.tools.parses
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return await self._stream(request, request_id, group, include_usage, req.return_token_ids)
-        collect = self._collect(request_id, group, req.return_token_ids)
+            return await self._stream(request, request_id, group, include_usage, req.return_token_ids,
+                                      prepared.resumed_text if parses else None)
+        collect = self._collect(request_id, group, req.return_token_ids, prepared.resumed_text if parses else None)
         ok, response = await unless_disconnected(request, collect)
         return response if ok and response is not None else Response(status_code=CLIENT_CLOSED)
 
-    async def _collect(self, request_id: str, group: GenerationGroup, token_ids: bool) -> Response:
+    def _resume(self, req: RequestT, prepared: Prepared) -> None:
+        """Continue an answer whose first tokens are `resume_token_ids`: they follow the prompt, count against
+        max_tokens and min_tokens, and the grammar and the tool-call parser start after them."""
+        ids = list(req.resume_token_ids or [])
+        if len(prepared.prompts) * req.n != 1:
+            raise OpenAIError("resume_token_ids needs a single prompt and n=1", param="resume_token_ids")
+        (params,) = prepared.params
+        if len(ids) >= params.max_tokens:
+            raise OpenAIError(f"resume_token_ids holds {len(ids)} tokens, max_tokens leaves {params.max_tokens}: "
+                              "nothing is left to generate", param="resume_token_ids")
+        prepared.prompts[0] = prepared.prompts[0] + ids
+        prepared.params[0] = msgspec.structs.replace(
+            params, max_tokens=params.max_tokens - len(ids), min_tokens=max(0, params.min_tokens - len(ids)),
+            resumed_tokens=len(ids))
+        prepared.resumed_text = self.engine.detokenize(ids)
+
+    async def _collect(self, request_id: str, group: GenerationGroup, token_ids: bool,
+                       parse_after: str | None) -> Response:
         choices = {j.index: ChoiceOutput(j.index, logprobs=_no_logprobs_yet(j)) for j in group.jobs}
         if token_ids:
             for job in group.jobs:
@@ -152,11 +180,22 @@ class OpenAIServing(ABC, Generic[RequestT]):
             await group.aclose()
         for index, choice in choices.items():
             choice.text = "".join(texts[index])
+            if parse_after is not None:
+                parser = ToolCallParser(parse_after)
+                content, calls = parser.feed(choice.text)
+                rest, more = parser.finish()
+                choice.text, calls = content + rest, calls + more
+                if calls and not choice.text.strip():
+                    choice.text = ""  # the line breaks around calls are not an answer
+                if calls:
+                    choice.tool_calls = [c.as_openai() for c in calls]  # a resumed answer's: its new calls
+                    choice.finish_reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
         body = self.response(request_id, [c for _, c in sorted(choices.items())], usage.usage(), kv_params)
         return Response(content=body.model_dump_json(), media_type="application/json")
 
     async def _stream(
-        self, request: Request, request_id: str, group: GenerationGroup, include_usage: bool, token_ids: bool
+        self, request: Request, request_id: str, group: GenerationGroup, include_usage: bool, token_ids: bool,
+        parse_after: str | None = None,
     ) -> Response:
         # Wait for the first delta before answering, so an invalid request is still a plain HTTP error.
         try:
@@ -167,7 +206,7 @@ class OpenAIServing(ABC, Generic[RequestT]):
         if not ok:
             await group.aclose()
             return Response(status_code=CLIENT_CLOSED)
-        return SSEResponse(self._events(request_id, group, first, include_usage, token_ids))
+        return SSEResponse(self._events(request_id, group, first, include_usage, token_ids, parse_after))
 
     async def _events(
         self,
@@ -176,8 +215,11 @@ class OpenAIServing(ABC, Generic[RequestT]):
         first: tuple[Job, RequestOutput] | None,
         include_usage: bool,
         token_ids: bool,
+        parse_after: str | None = None,
     ) -> AsyncIterator[str]:
+        """`parse_after`: tool calls are parsed out of the text, which follows this text (a resumed answer's)."""
         created = now()
+        parsers = {job.index: ToolCallParser(parse_after) for job in group.jobs} if parse_after is not None else {}
         usage = UsageTracker(group.jobs)
         offsets = {job.index: 0 for job in group.jobs}
         # Choices whose prompt ids are still owed to the client (on their first chunk).
@@ -197,6 +239,20 @@ class OpenAIServing(ABC, Generic[RequestT]):
                 out.stop_reason if out.finished else None,
                 token_ids=list(out.token_ids) if token_ids else None,
             )
+            if (parser := parsers.get(job.index)) is not None:
+                before = len(parser.calls)
+                choice.text, calls = parser.feed(out.text)
+                if out.finished:
+                    rest, more = parser.finish()
+                    choice.text, calls = choice.text + rest, calls + more
+                    if parser.calls and choice.finish_reason == "stop":
+                        choice.finish_reason = "tool_calls"
+                if parser.calls and not choice.text.strip():
+                    choice.text = ""
+                if calls:
+                    choice.tool_calls = [c.as_openai(index) for index, c in enumerate(calls, start=before)]
+                if not (choice.text or calls or out.finished or logprobs or token_ids):
+                    return None
             if job.index in owe_prompt:
                 owe_prompt.discard(job.index)
                 choice.prompt_token_ids = job.prompt_token_ids

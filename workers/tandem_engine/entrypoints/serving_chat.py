@@ -23,6 +23,16 @@ from tandem_engine.entrypoints.openai_protocol import (
 )
 from tandem_engine.entrypoints.serving_base import ChoiceOutput, OpenAIServing, Prepared
 from tandem_engine.entrypoints.serving_common import Job, check_length, clamp_logprob
+from tandem_engine.entrypoints.tools import (
+    END,
+    START,
+    TOOLS_TEMPLATE,
+    ToolPlan,
+    calls_grammar,
+    parse_tools,
+    template_arguments,
+    tool_format,
+)
 from tandem_engine.frontend.interface import EngineClient, RequestError, TokenCandidate, TokenLogprob
 
 
@@ -47,15 +57,25 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+                parallel_tool_calls: bool | None = None) -> tuple[list[int], ToolPlan]:
+    """The prompt's token ids, and what the request asks of its tools. A conversation with tools, or with calls
+    and results in it, goes through a template that can write them: the model's own where it renders tools,
+    else SmolLM2's ChatML with tools (entrypoints/tools.py)."""
+    own = engine.model_chat_template()
+    plan = parse_tools(tools, tool_choice, parallel_tool_calls, tool_format(own, engine.tool_call_parser))
+    with_tools = plan.parses or any(m.role == "tool" or getattr(m, "tool_calls", None) for m in messages)
+    template = TOOLS_TEMPLATE if with_tools and not (own and "tools" in own) else None
     try:
-        text = engine.apply_chat_template(template_messages(messages), add_generation_prompt)
+        text = engine.apply_chat_template(template_arguments(template_messages(messages)), add_generation_prompt,
+                                          plan.template_tools, template)
     except RequestError:
         raise
     except ValueError as exc:
         raise OpenAIError(f"Invalid messages: {exc}", param="messages") from None
     # The template already wrote BOS and every other special token it wants.
-    return engine.tokenize(text, add_special_tokens=False)
+    return engine.tokenize(text, add_special_tokens=False), plan
 
 
 def chat_logprob(token: TokenCandidate) -> ChatLogProb:
@@ -94,13 +114,14 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
     id_prefix = "chatcmpl"
 
     def prepare(self, req: ChatCompletionRequest) -> Prepared:
-        if req.tools and req.tool_choice != "none":
-            raise OpenAIError("tool calling is not supported (send tool_choice 'none')", param="tools")
         num_top = num_top_logprobs(req)
-        prompt = render_chat(self.engine, req.messages, req.add_generation_prompt)
+        prompt, plan = render_chat(self.engine, req.messages, req.add_generation_prompt, req.tools, req.tool_choice,
+                                   req.parallel_tool_calls)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(self.engine, len(prompt), requested, "messages")
-        return Prepared([prompt], [req.to_sampling_params(max_tokens, num_top)])
+        grammar = calls_grammar(plan, {t: self.engine.special_token_id(t) for t in (START, END)})
+        params = req.to_sampling_params(max_tokens, num_top, grammar)
+        return Prepared([prompt], [params], plan if plan.parses else None)
 
     def response(
         self, request_id: str, choices: list[ChoiceOutput], usage: UsageInfo, kv: dict[str, Any] | None
@@ -108,7 +129,8 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         shaped = [
             ChatCompletionChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage(content=c.text if c.text or not c.tool_calls else None,
+                                         tool_calls=c.tool_calls),
                 logprobs=chat_logprobs(c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -128,7 +150,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         shaped = [
             ChatCompletionStreamChoice(
                 index=c.index,
-                delta=DeltaMessage(content=c.text or None),
+                delta=DeltaMessage(content=c.text or None, tool_calls=c.tool_calls),
                 logprobs=chat_logprobs(c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,

@@ -67,6 +67,7 @@ class AsyncLLM(EngineClient):
                                          config.enable_prefix_caching)
         self.metrics.model_info.labels(self.model_name, core.model_dtype, config.quantization).set(1)
         self.scheduling_policy = config.scheduling_policy
+        self.tool_call_parser = config.tool_call_parser
         self.waiting_bound = WaitingBound(config.max_running_requests, config.max_waiting_requests)
         self.core = core
         self.max_model_len = core.max_model_len
@@ -107,12 +108,25 @@ class AsyncLLM(EngineClient):
     def detokenize(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> str:
         try:
-            return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
+                                                          chat_template=chat_template,
                                                           add_generation_prompt=add_generation_prompt))
         except Exception as e:  # jinja errors on malformed messages
             raise RequestError(f"could not apply the chat template: {e}", "messages") from e
+
+    def model_chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
+    def special_token_id(self, text: str) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return ids[0] if len(ids) == 1 and ids[0] in added else None
 
     def tokenizer_spec(self) -> bytes:
         if self._tokenizer_spec is None:  # about 2 MB of JSON: built once, then served as is

@@ -80,9 +80,22 @@ class EngineClient(ABC):
     @abstractmethod
     def detokenize(self, token_ids: list[int]) -> str: ...
 
+    # The tool-call format flag (entrypoints/tools.py): auto, smollm2, hermes.
+    tool_call_parser: str = "auto"
+
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages to the prompt text (raises RequestError on malformed messages)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> str:
+        """Render chat messages (and `tools`) to the prompt text, through the model's chat template or
+        `chat_template`; raises RequestError on malformed messages."""
+
+    def model_chat_template(self) -> str | None:
+        """The model's own chat template (its Jinja text), where it has one."""
+        return None
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, where the vocabulary has one."""
+        return None
 
     @abstractmethod
     def tokenizer_spec(self) -> bytes:

@@ -1,6 +1,8 @@
 """Turns the logits at each request's last position into the next token (and its logprobs).
 
-Order, as vLLM: raw logprobs first, then min_tokens masking and penalties, temperature, min-p, top-k,
+Order, as vLLM: a structured request's grammar mask first (forbidden tokens at -inf), then raw logprobs
+(so a constrained request's logprobs are the model's distribution over the tokens its grammar allows, as
+vLLM's default `raw_logprobs`), then min_tokens masking and penalties, temperature, min-p, top-k,
 top-p, and sampling by argmax of probs / Exp(1) noise. A batch where every request is greedy without
 penalties or logprobs is one argmax over the logits (the fused C kernel's on a CPU, kernels/fused.py: torch's
 argmax took 2.2 ms of a 68 ms batch-32 decode step).
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from tandem_engine.core.scheduler import SampledToken
+from tandem_engine.core.structured_output import apply_masks
 from tandem_engine.kernels.fused import TORCH_OPS
 from tandem_engine.request import Request
 
@@ -52,6 +55,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         # logits: [num_reqs, vocab] float32
+        if any(r.grammar is not None for r in reqs):
+            apply_masks(logits, [r.grammar for r in reqs])
         if all(r.sampling_params.greedy and r.sampling_params.logprobs is None
                and not _needs_penalties(r) and not _needs_min_tokens_mask(r) for r in reqs):
             return [SampledToken(t) for t in self._argmax(logits)]
@@ -67,7 +72,10 @@ class Sampler:
             if _needs_min_tokens_mask(r):
                 banned = list(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
                 if banned:
+                    kept = logits[i, banned].clone()
                     logits[i, banned] = float("-inf")
+                    if r.grammar is not None and bool(torch.isinf(logits[i]).all()):
+                        logits[i, banned] = kept  # the grammar allows nothing else: it must end here
             if _needs_penalties(r):
                 self._apply_penalties(logits[i], r)
 
