@@ -27,15 +27,18 @@ def request(i: int) -> tuple[str, dict[str, Any]]:
 
 
 class Reader:
-    """One streamed request: its text, its token ids, its finish reasons and usage, as the client saw them."""
+    """One streamed request: its text, its token ids, its finish reasons and usage, and its tool calls (name and
+    arguments by index, joined from their deltas), as the client saw them."""
 
-    def __init__(self, i: int) -> None:
+    def __init__(self, i: int, build: Any = None) -> None:
         self.i = i
+        self.build = build or request
         self.text, self.ids, self.finish, self.usage, self.errors = "", [], [], None, []
+        self.calls: dict[int, dict[str, str]] = {}
         self.chunks = 0
 
     async def run(self, http: aiohttp.ClientSession, url: str) -> None:
-        path, body = request(self.i)
+        path, body = self.build(self.i)
         async with http.post(url + path, json=body) as resp:
             assert resp.status == 200, await resp.text()
             async for raw in resp.content:
@@ -50,14 +53,19 @@ class Reader:
                 for c in event.get("choices", []):
                     self.text += c.get("text") or (c.get("delta") or {}).get("content") or ""
                     self.ids += c.get("token_ids") or []
+                    for call in (c.get("delta") or {}).get("tool_calls") or []:
+                        seen = self.calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                        seen["name"] += call.get("function", {}).get("name") or ""
+                        seen["arguments"] += call.get("function", {}).get("arguments") or ""
                     if c.get("finish_reason"):
                         self.finish.append(c["finish_reason"])
                     self.chunks += 1
 
 
-async def run_all(url: str, n: int, during: Any = None) -> list[Reader]:
-    """`n` requests (see `request`) at once; `during(readers)` runs while they stream."""
-    readers = [Reader(i) for i in range(n)]
+async def run_all(url: str, n: int, during: Any = None, build: Any = None) -> list[Reader]:
+    """`n` requests (`build(i)` -> (path, body); default `request`) at once; `during(readers)` runs while they
+    stream."""
+    readers = [Reader(i, build) for i in range(n)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         tasks = [asyncio.create_task(r.run(http, url)) for r in readers]
         if during is not None:
