@@ -222,3 +222,43 @@ def test_bad_schemas_and_tools_are_400s(server: Server) -> None:
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def openai_request_fields() -> Any:
+    """Chat requests whose response_format, tools, tool_choice and parallel_tool_calls are drawn from the
+    `openai` SDK's request types (generated from OpenAI's OpenAPI spec), as JSON schemas."""
+    from hypothesis import strategies as st
+    from hypothesis_jsonschema import from_schema
+    from openai.types.chat import ChatCompletionToolChoiceOptionParam, ChatCompletionToolUnionParam
+    from openai.types.chat.completion_create_params import ResponseFormat
+
+    def schema(t: Any) -> Any:
+        return from_schema(pydantic.TypeAdapter(t).json_schema())
+
+    return st.fixed_dictionaries({}, optional={
+        "response_format": schema(ResponseFormat),
+        "tools": st.lists(schema(ChatCompletionToolUnionParam), max_size=3),
+        "tool_choice": schema(ChatCompletionToolChoiceOptionParam),
+        "parallel_tool_calls": st.booleans(),
+    })
+
+
+def test_a_fuzz_of_openais_request_types_finds_no_5xx(server: Server) -> None:
+    """Whatever OpenAI's own types allow in these fields: a 200 or an OpenAI-shaped 4xx, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(openai_request_fields())
+    def one(fields: dict[str, Any]) -> None:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (fields, r.text)
+        if r.status_code != 200:
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["message"], r.text
+
+    one()
+    assert seen.get(200) and seen.get(400), seen  # both kinds were drawn
