@@ -23,7 +23,7 @@ The daemon (`Verifier`, one per InferenceService) writes the condition and, on e
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ import kopf
 
 from tandem_operator.autoscaler import run_ticks, scrape
 from tandem_operator.kube import KubeClient, KubeError
-from tandem_operator.signals import Scrape, increase
+from tandem_operator.signals import RouterSample, Scrape, increase
 from tandem_operator.spec import SpecError, parse_spec
 from tandem_operator.status import KV_CONDITION, kv_condition
 
@@ -92,9 +92,10 @@ def revisions(prev: Scrape | None, now: Scrape) -> list[dict[str, Any]]:
         for role, revision, n in sample.revision_endpoints if sample else ():
             roles = endpoints.setdefault(revision, {})
             roles[role] = max(roles.get(role, 0), int(n))  # every router replica sees every endpoint
-    sent = {rev: increase(prev.router if prev else None, now.router,
-                          lambda s, rev=rev: sum(v for r, v in s.revision_requests if r == rev))
-            for rev in endpoints}
+    def requests_to(revision: str) -> Callable[[RouterSample], float]:
+        return lambda s: sum(v for r, v in s.revision_requests if r == revision)
+
+    sent = {rev: increase(prev.router if prev else None, now.router, requests_to(rev)) for rev in endpoints}
     total = sum(sent.values())
     out = []
     for revision, roles in sorted(endpoints.items()):
