@@ -175,20 +175,35 @@ def test_streamed_calls_arrive_as_tool_call_deltas(client: openai.OpenAI) -> Non
 
 
 def test_auto_answers_calls_when_the_model_writes_them_and_text_otherwise(client: openai.OpenAI) -> None:
-    """Under `auto` nothing is forced: the answer is whatever the model writes, read by the parser."""
-    called = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Call get_weather for Paris in celsius."}],
-        tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=120)  # type: ignore[list-item]
+    """Under `auto` nothing is forced and the parser reads whatever the model writes. What it writes is pinned
+    here by a regex (`structured_outputs` beside `auto`): a call in SmolLM2's format comes back as a call, with
+    finish_reason tool_calls, streamed or not; words come back as content."""
+    call = r'<tool_call>\[\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "celsius"\}\}\]</tool_call>'
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    for stream in (False, True):
+        kw: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": [WEATHER], "tool_choice": "auto",
+                              "max_tokens": 80, "temperature": 0, "extra_body": {"structured_outputs": {"regex": call}}}
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+            assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == \
+                [("get_weather", {"city": "Paris", "unit": "celsius"})]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            assert not "".join(c.delta.content or "" for ch in chunks for c in ch.choices).strip()
+        else:
+            done = client.chat.completions.create(**kw)
+            assert done.choices[0].finish_reason == "tool_calls" and done.choices[0].message.content is None
+            (got,) = done.choices[0].message.tool_calls or []
+            assert (got.function.name, json.loads(got.function.arguments)) == ("get_weather", {"city": "Paris",
+                                                                                               "unit": "celsius"})
+    words = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="auto",  # type: ignore[list-item]
+                                           max_tokens=20, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": "It is [a-z]+ there[.]"}})
+    assert words.choices[0].finish_reason == "stop" and not words.choices[0].message.tool_calls
+    assert re.fullmatch("It is [a-z]+ there[.]", words.choices[0].message.content or "")
     text = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
                                           tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=30)  # type: ignore[list-item]
     assert text.choices[0].message.content and not text.choices[0].message.tool_calls
-    assert text.choices[0].finish_reason in ("stop", "length")
-    message = called.choices[0].message
-    if message.tool_calls:  # the model called: the call parses and finish_reason says so
-        assert called.choices[0].finish_reason == "tool_calls"
-        assert message.tool_calls[0].function.name == "get_weather"
-    else:  # it answered in words: they come back as content
-        assert message.content
 
 
 def test_a_tool_result_goes_back_to_the_model_in_a_second_turn(client: openai.OpenAI, server: Server) -> None:

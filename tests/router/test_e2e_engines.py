@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from tests.router.engines import BLOCK_SIZE, DECISIONS, ENGINE_ARGS, MODEL, RECEIVED, UpProcess, blocks_to_read, settled
 from tests.router.streams import MAX_TOKENS, Reader, run_all, until
@@ -191,32 +193,48 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "role", "hobbies", "address"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"],
+    "additionalProperties": False}}}
 PARAMETERS: dict[str, Any] = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}  # type: ignore[index]
 
 
+PHONES = r"(\+[0-9]{2} [0-9]{3}-[0-9]{4}\n){5}"
+
+
 def structured(i: int) -> tuple[str, dict[str, Any]]:
-    """Streamed chat request i, seeded at temperature 1: a person as JSON under a strict schema (even i), or
-    calls demanded of two tools (odd i)."""
+    """Streamed request i, seeded at temperature 1, by i % 4: a person as JSON under a strict schema; calls
+    demanded of two tools (`required`); one call of a named tool; five phone numbers by a regex (completions)."""
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "stream": True, "temperature": 1.0,
                             "seed": 2000 + i, "return_token_ids": True, "stream_options": {"include_usage": True}}
-    if i % 2:
-        return "/v1/chat/completions", {**body, "tools": [WEATHER, TIME], "tool_choice": "required", "messages": [
-            {"role": "user", "content": f"Weather in city number {i}, and the time in Tokyo?"}]}
+    kind = i % 4
+    if kind == 3:
+        return "/v1/completions", {**body, "prompt": f"Phone book {i}:\n", "structured_outputs": {"regex": PHONES}}
+    ask = [{"role": "user", "content": f"Weather in city number {i}, and the time in Tokyo?"}]
+    if kind == 1:
+        return "/v1/chat/completions", {**body, "tools": [WEATHER, TIME], "tool_choice": "required", "messages": ask}
+    if kind == 2:
+        return "/v1/chat/completions", {**body, "tools": [WEATHER, TIME], "parallel_tool_calls": False,
+                                        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                                        "messages": ask}
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Person {i} as JSON."}],
                                     "response_format": {"type": "json_schema", "json_schema": {
                                         "name": "person", "schema": PERSON, "strict": True}}}
 
 
 def valid(r: Reader) -> None:
-    """Reader `r` got what its request demanded: JSON valid against the schema, or calls valid for their tools."""
+    """Reader `r` got what its request demanded."""
     assert not r.errors, (r.i, r.errors)
-    if r.i % 2:
+    kind = r.i % 4
+    if kind in (1, 2):
         assert r.finish == ["tool_calls"] and r.calls and not r.text.strip(), (r.i, r.finish, r.text, r.calls)
+        assert kind == 1 or [c["name"] for c in r.calls.values()] == ["get_time"], r.calls
         for call in r.calls.values():
             jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+    elif kind == 3:
+        assert r.finish == ["stop"] and re.fullmatch(PHONES, r.text), (r.i, r.finish, r.text)
     else:
         assert r.finish == ["stop"], (r.i, r.finish, r.text)
         jsonschema.validate(json.loads(r.text), PERSON)
@@ -226,17 +244,58 @@ def calls(r: Reader) -> list[tuple[str, str]]:
     return [(c["name"], c["arguments"]) for _, c in sorted(r.calls.items())]
 
 
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    hobbies: list[str]
+    nickname: str | None = None
+
+
 def test_structured_outputs_and_tool_calls_through_pd_equal_the_decode_engines_own(stack: Stack) -> None:
     """Through the router that prefills every prompt on the prefill engine: each structured answer (JSON under a
-    schema, calls of tools) is valid and equals the decode engine's own answer to the same request, token for
-    token; the prefill engine computed every prompt."""
+    schema, calls of tools required or named, a regex) is valid and equals the decode engine's own answer to
+    the same request, token for token; so do the SDK's parse() with a Pydantic model, streamed and not, a
+    json_object, a choice, an `auto` answer and a second turn with a tool's result; the prefill engine
+    computed every prompt."""
     before = scrape(stack.pd_router, DECISIONS, decision="remote")
-    through = asyncio.run(run_all(stack.pd_router, 6, build=structured))
-    direct = asyncio.run(run_all(stack.decode[0], 6, build=structured))
+    through = asyncio.run(run_all(stack.pd_router, 8, build=structured))
+    direct = asyncio.run(run_all(stack.decode[0], 8, build=structured))
     for r, d in zip(through, direct, strict=True):
         valid(r)
         assert (r.ids, r.text, r.finish, calls(r)) == (d.ids, d.text, d.finish, calls(d)), r.i
-    assert settled(lambda: scrape(stack.pd_router, DECISIONS, decision="remote"), before + 6) == before + 6
+    pd, engine = (openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0) for u in (stack.pd_router,
+                                                                                         stack.decode[0]))
+    ask = [{"role": "user", "content": "Describe a person named Ada, as JSON."}]
+    both = [c.chat.completions.parse(model=MODEL, messages=ask, response_format=Person, max_tokens=200,  # type: ignore[arg-type]
+                                     temperature=0) for c in (pd, engine)]
+    assert isinstance(both[0].choices[0].message.parsed, Person)
+    assert both[0].choices[0].message.parsed == both[1].choices[0].message.parsed
+    with pd.chat.completions.stream(model=MODEL, messages=ask, response_format=Person, max_tokens=200,  # type: ignore[arg-type]
+                                    temperature=0) as streamed:
+        assert streamed.get_final_completion().choices[0].message.parsed == both[1].choices[0].message.parsed
+    kinds: list[dict[str, Any]] = [
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"tools": [WEATHER], "tool_choice": "auto"},
+        {"tools": [WEATHER], "tool_choice": "required"},
+    ]
+    answers = []
+    for extra in kinds:
+        bodies = [c.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0,
+                                            extra_body=extra) for c in (pd, engine)]  # type: ignore[call-overload]
+        said = [(m.content, [(t.function.name, t.function.arguments) for t in m.tool_calls or []])  # type: ignore[union-attr]
+                for m in (b.choices[0].message for b in bodies)]
+        assert said[0] == said[1], extra
+        answers.append(bodies[0].choices[0].message)
+    assert isinstance(json.loads(answers[0].content or ""), dict) and answers[1].content in ("yes", "no")
+    call = (answers[3].tool_calls or [])[0]
+    turn = [*ask, answers[3].model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id,
+                                                            "content": "21 degrees"}]
+    second = [c.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER], max_tokens=30,  # type: ignore[list-item]
+                                        temperature=0) for c in (pd, engine)]
+    assert second[0].choices[0].message.content == second[1].choices[0].message.content
+    n = 8 + 2 + len(kinds) + 1  # every request through the P/D router above prefilled remotely
+    assert settled(lambda: scrape(stack.pd_router, DECISIONS, decision="remote"), before + n) == before + n
 
 
 def test_structured_streams_resume_in_their_grammar_when_their_decode_engine_dies(stack: Stack) -> None:

@@ -156,6 +156,37 @@ def test_router_renders_chats_as_the_engine(engine: Engine, messages: list[dict[
     assert engine.tokenizer.chat_ids(messages, add_generation_prompt=generation) == expected
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
+ASK = {"role": "user", "content": "Weather in Paris?"}
+TOOL_CHATS: list[tuple[list[dict[str, Any]], list[Any] | None, Any]] = [
+    ([ASK], [WEATHER], None),
+    ([{"role": "system", "content": "Be brief."}, ASK], [WEATHER, {"type": "function", "function": {"name": "t"}}],
+     "required"),
+    ([ASK], [WEATHER], "none"),
+    ([ASK, CALLED, RESULT], [WEATHER], "auto"),
+    ([ASK, CALLED, RESULT], None, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("messages", "tools", "choice"), TOOL_CHATS, ids=range(len(TOOL_CHATS)))
+def test_router_renders_chats_with_tools_as_the_engine(engine: Engine, messages: list[dict[str, Any]],
+                                                       tools: list[Any] | None, choice: Any) -> None:
+    """A chat with tools, or with calls and their results, hashes as the engine's prompt: prefix-aware routing
+    sees the blocks an engine holds for it."""
+    expected = engine.tokenize(messages=messages, tools=tools, tool_choice=choice)
+    assert engine.tokenizer.chat_ids(messages, True, tools, choice) == expected
+    if choice == "none":  # the model is not told of tools it may not call
+        assert expected == engine.tokenize(messages=messages)
+    elif tools:
+        assert expected != engine.tokenize(messages=messages, tool_choice="none")
+
+
 @pytest.mark.slow
 def test_router_refuses_the_chats_the_engine_refuses(engine: Engine) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]

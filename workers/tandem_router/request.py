@@ -168,7 +168,8 @@ def prompt_token_ids(tok: PromptTokenizer, req: ParsedRequest) -> list[int] | No
     body = req.body
     try:
         if req.kind == "chat":
-            return tok.chat_ids(body["messages"], bool(body.get("add_generation_prompt", True)))
+            return tok.chat_ids(body["messages"], bool(body.get("add_generation_prompt", True)), body.get("tools"),
+                                body.get("tool_choice"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]

@@ -40,6 +40,41 @@ class TokenizerSpec(msgspec.Struct, kw_only=True):
     tokenizer_json: str
     chat_template: str | None
     special_tokens: dict[str, str]
+    tools_chat_template: str | None = None
+
+
+def template_tools(tools: Any, tool_choice: Any) -> list[dict[str, Any]] | None:
+    """The tools as the engine hands them to its template (none when the choice is `none` or there are no
+    tools): each function's name, parameters (an empty object schema by default) and description."""
+    if not isinstance(tools, list) or not tools or tool_choice == "none":
+        return None
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            raise ValueError("tools: each is a function")
+        description = fn.get("description")
+        out.append({"type": "function", "function": {
+            "name": fn.get("name"), "parameters": fn.get("parameters", {"type": "object", "properties": {}}),
+            **({"description": description} if isinstance(description, str) and description else {})}})
+    return out
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's calls with their `arguments` JSON text read into objects, as the engine does."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    fixed = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                c = {**c, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                pass
+        fixed.append(c)
+    return {**message, "tool_calls": fixed}
 
 
 class _Generation(jinja2.ext.Extension):
@@ -122,6 +157,8 @@ class PromptTokenizer:
         self.block_size = spec.block_size
         self._tokenizer = Tokenizer.from_str(spec.tokenizer_json)
         self._template = None if spec.chat_template is None else chat_environment().from_string(spec.chat_template)
+        self._tools_template = None if spec.tools_chat_template is None \
+            else chat_environment().from_string(spec.tools_chat_template)
 
     @classmethod
     def from_json(cls, body: bytes | str) -> PromptTokenizer:
@@ -135,19 +172,27 @@ class PromptTokenizer:
             return list(prompt)
         raise ValueError("a prompt is a string or a list of token ids")
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True) -> str:
-        if self._template is None:
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, tools: Any = None,
+                    tool_choice: Any = None) -> str:
+        """The prompt text, as the engine renders it: a conversation with tools, or with calls and results in it,
+        through the engine's tools template where it names one (docs/contracts.md, "Tool calling")."""
+        listed = template_tools(tools, tool_choice)
+        rendered = [_arguments_as_objects(m) for m in template_messages(messages)]
+        with_tools = listed is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in rendered)
+        template = self._tools_template if with_tools and self._tools_template is not None else self._template
+        if template is None:
             raise ValueError(f"{self.model} has no chat template")
         try:
-            return self._template.render(messages=template_messages(messages), tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.spec.special_tokens)
+            return template.render(messages=rendered, tools=listed, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self.spec.special_tokens)
         except jinja2.TemplateError as exc:
             raise ValueError(f"could not apply the chat template: {exc}") from None
 
-    def chat_ids(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: Any, add_generation_prompt: bool = True, tools: Any = None,
+                 tool_choice: Any = None) -> list[int]:
         """A chat request's prompt token ids. Raises ValueError where the engine answers 400."""
         # The template wrote BOS and every other special token it wants.
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools, tool_choice)
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def block_hashes(self, token_ids: list[int]) -> list[int]:

@@ -26,12 +26,12 @@ from tandem_engine.entrypoints.serving_common import Job, check_length, clamp_lo
 from tandem_engine.entrypoints.tools import (
     END,
     START,
-    TOOLS_TEMPLATE,
     ToolPlan,
     calls_grammar,
     parse_tools,
     template_arguments,
     tool_format,
+    tools_template,
 )
 from tandem_engine.frontend.interface import EngineClient, RequestError, TokenCandidate, TokenLogprob
 
@@ -66,7 +66,7 @@ def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generatio
     own = engine.model_chat_template()
     plan = parse_tools(tools, tool_choice, parallel_tool_calls, tool_format(own, engine.tool_call_parser))
     with_tools = plan.parses or any(m.role == "tool" or getattr(m, "tool_calls", None) for m in messages)
-    template = TOOLS_TEMPLATE if with_tools and not (own and "tools" in own) else None
+    template = tools_template(own) if with_tools else None
     try:
         text = engine.apply_chat_template(template_arguments(template_messages(messages)), add_generation_prompt,
                                           plan.template_tools, template)

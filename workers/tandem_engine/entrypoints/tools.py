@@ -73,6 +73,7 @@ class Function:
     name: str
     parameters: dict[str, Any]
     strict: bool = False
+    description: str | None = None
 
 
 @dataclass
@@ -95,7 +96,9 @@ class ToolPlan:
         """The tools as chat templates take them (none where the choice is `none`: the model is not told)."""
         if not self.parses:
             return None
-        return [{"type": "function", "function": {"name": f.name, "parameters": f.parameters}} for f in self.functions]
+        return [{"type": "function", "function": {"name": f.name, "parameters": f.parameters,
+                                                  **({"description": f.description} if f.description else {})}}
+                for f in self.functions]
 
 
 def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
@@ -117,7 +120,8 @@ def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
         if not isinstance(params, dict):
             raise OpenAIError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         strict = fn.get("strict") is True
-        functions.append(Function(name, params, strict))
+        description = fn.get("description")
+        functions.append(Function(name, params, strict, description if isinstance(description, str) else None))
     named = None
     if tool_choice is None:
         choice = "auto" if functions else "none"
@@ -275,6 +279,12 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def tools_template(chat_template: str | None) -> str | None:
+    """The template a conversation with tools goes through instead of the model's: TOOLS_TEMPLATE where the
+    model's own does not render tools, else None (the model's)."""
+    return None if chat_template and "tools" in chat_template else TOOLS_TEMPLATE
 
 
 def tool_format(chat_template: str | None, flag: str) -> ToolFormat:

@@ -130,7 +130,10 @@ class AsyncLLM(EngineClient):
 
     def tokenizer_spec(self) -> bytes:
         if self._tokenizer_spec is None:  # about 2 MB of JSON: built once, then served as is
-            self._tokenizer_spec = tokenizer_spec(self.tokenizer, self.model_name, self.config.block_size)
+            from tandem_engine.entrypoints.tools import tools_template
+
+            self._tokenizer_spec = tokenizer_spec(self.tokenizer, self.model_name, self.config.block_size,
+                                                  tools_template(self.model_chat_template()))
         return self._tokenizer_spec
 
     async def generate(

@@ -23,9 +23,12 @@ class TokenizerSpec(msgspec.Struct, kw_only=True):
     tokenizer_json: str  # the fast tokenizer's own serialization (`tokenizers.Tokenizer.from_str` reads it)
     chat_template: str | None  # None when the model has no chat template
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: the names the template sees
+    # What a conversation with tools (or with calls and results) goes through where the model's own template
+    # does not render tools (entrypoints/tools.py, TOOLS_TEMPLATE); None: the model's.
+    tools_chat_template: str | None = None
 
 
-def tokenizer_spec(tokenizer: Any, model: str, block_size: int) -> bytes:
+def tokenizer_spec(tokenizer: Any, model: str, block_size: int, tools_chat_template: str | None = None) -> bytes:
     """The JSON body of GET /tokenizer for a transformers fast tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -37,5 +40,6 @@ def tokenizer_spec(tokenizer: Any, model: str, block_size: int) -> bytes:
         template = None
     special = {str(k): str(v) for k, v in tokenizer.special_tokens_map.items()}
     spec = TokenizerSpec(model=model, hash_spec=HASH_SPEC, block_size=block_size,
-                         tokenizer_json=backend.to_str(), chat_template=template, special_tokens=special)
+                         tokenizer_json=backend.to_str(), chat_template=template, special_tokens=special,
+                         tools_chat_template=tools_chat_template)
     return msgspec.json.encode(spec)
