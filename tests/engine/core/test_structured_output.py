@@ -54,7 +54,7 @@ def tokenizer(core: EngineCore) -> Any:
 Outcome = tuple[list[int], str | None, str | None]
 
 
-def run(core: EngineCore, reqs: list[Request], between: Any = None) -> dict[str, Outcome]:
+def run(core: EngineCore, reqs: list[Request]) -> dict[str, Outcome]:
     """Step `core` until every request of `reqs` has finished: id -> (tokens, finish reason, error)."""
     for r in reqs:
         core.add_request(r)
@@ -63,8 +63,6 @@ def run(core: EngineCore, reqs: list[Request], between: Any = None) -> dict[str,
         for o in core.step():
             tokens = out[o.request_id][0] + o.new_token_ids
             out[o.request_id] = (tokens, o.finish_reason, o.error)
-        if between is not None:
-            between()
     return out
 
 

@@ -13,7 +13,6 @@ where a request starts with output already made (docs/contracts.md, "Structured 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,8 +85,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        # Read and written by the one worker thread only.
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiled = 0  # grammars compiled (cache misses), for tests and logs
         self.cache_hits = 0
@@ -107,22 +106,20 @@ class GrammarCompiler:
         the grammar does not compile."""
         import llguidance
 
-        with self._lock:
-            template = self._cache.get(grammar)
-            if template is not None:
-                self._cache.move_to_end(grammar)
-                self.cache_hits += 1
-                return Grammar(template.deep_copy())
+        template = self._cache.get(grammar)
+        if template is not None:
+            self._cache.move_to_end(grammar)
+            self.cache_hits += 1
+            return Grammar(template.deep_copy())
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         logger.debug("[structured] compiled a grammar in %.1f ms", (time.perf_counter() - t0) * 1e3)
-        with self._lock:
-            self.compiled += 1
-            self._cache[grammar] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        self.compiled += 1
+        self._cache[grammar] = matcher
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
         return Grammar(matcher.deep_copy())
 
     def submit(self, grammar: str) -> Future[Grammar]:

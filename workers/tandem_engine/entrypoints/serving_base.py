@@ -182,14 +182,9 @@ class OpenAIServing(ABC, Generic[RequestT]):
             choice.text = "".join(texts[index])
             if parse_after is not None:
                 parser = ToolCallParser(parse_after)
-                content, calls = parser.feed(choice.text)
-                rest, more = parser.finish()
-                choice.text, calls = content + rest, calls + more
-                if calls and not choice.text.strip():
-                    choice.text = ""  # the line breaks around calls are not an answer
-                if calls:
-                    choice.tool_calls = [c.as_openai() for c in calls]  # a resumed answer's: its new calls
-                    choice.finish_reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+                choice.text, calls = parser.read(choice.text, final=True)
+                choice.tool_calls = [c.as_openai() for c in calls] or None  # a resumed answer's: its new calls
+                choice.finish_reason = parser.finish_reason(choice.finish_reason)
         body = self.response(request_id, [c for _, c in sorted(choices.items())], usage.usage(), kv_params)
         return Response(content=body.model_dump_json(), media_type="application/json")
 
@@ -241,14 +236,8 @@ class OpenAIServing(ABC, Generic[RequestT]):
             )
             if (parser := parsers.get(job.index)) is not None:
                 before = len(parser.calls)
-                choice.text, calls = parser.feed(out.text)
-                if out.finished:
-                    rest, more = parser.finish()
-                    choice.text, calls = choice.text + rest, calls + more
-                    if parser.calls and choice.finish_reason == "stop":
-                        choice.finish_reason = "tool_calls"
-                if parser.calls and not choice.text.strip():
-                    choice.text = ""
+                choice.text, calls = parser.read(out.text, final=out.finished)
+                choice.finish_reason = parser.finish_reason(choice.finish_reason)
                 if calls:
                     choice.tool_calls = [c.as_openai(index) for index, c in enumerate(calls, start=before)]
                 if not (choice.text or calls or out.finished or logprobs or token_ids):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tandem_engine.entrypoints.openai_protocol import OpenAIError
+from tandem_engine.entrypoints.structured import closed_objects
 
 ToolFormat = Literal["smollm2", "hermes"]
 TOOL_FORMATS: tuple[str, ...] = ("auto", "smollm2", "hermes")
@@ -145,8 +146,6 @@ def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
 
 
 def _call_schema(fn: Function) -> dict[str, Any]:
-    from tandem_engine.entrypoints.structured import closed_objects
-
     params = closed_objects(fn.parameters) if fn.strict else fn.parameters
     return {"type": "object", "properties": {"name": {"const": fn.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
@@ -232,6 +231,19 @@ class ToolCallParser:
         content, calls = self._scan(final=True)
         rest, self.buffer, self.inside = self.buffer, "", False
         return content + rest, calls
+
+    def read(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
+        """`feed`, and at the end of the answer (`final`) `finish` too: the content to send and the new calls; once
+        the answer has calls, content that is only the line breaks around them is dropped."""
+        content, calls = self.feed(text)
+        if final:
+            rest, more = self.finish()
+            content, calls = content + rest, calls + more
+        return ("" if self.calls and not content.strip() else content), calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish reason: `tool_calls` for an answer that stopped after calls."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
     def _scan(self, final: bool) -> tuple[str, list[ParsedCall]]:
         content, calls = [], []
