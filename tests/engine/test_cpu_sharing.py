@@ -2,8 +2,9 @@
 
 Before thread pools were sized from the CPUs a process may use, two `tandem serve` with default flags on
 2 cores ran four spinning OpenMP threads and took 17x as long as one engine doing half the work. The
-bound here is 3x (2x is the fair share of the cores), measured as a ratio in this run, so a slow or busy
-machine slows both sides alike.
+bound here is 4x: 2x is the fair share of the cores, and a ratio of runs this short (half a second alone)
+read 3.02x once in CI on an AMD EPYC with nothing wrong; the collapse it guards against is 17x. Measured
+as a ratio in this run, so a slow or busy machine slows both sides alike.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def test_two_busy_engines_with_default_flags_share_the_machine_fairly(tmp_path: 
         pair = load(urls)
     ratio = pair / alone
     print(f"alone {alone:.1f}s, pair {pair:.1f}s: {ratio:.2f}x")
-    assert ratio <= 3.0, f"the pair took {ratio:.1f}x one engine's time for half the work (alone {alone:.1f}s)"
+    assert ratio <= 4.0, f"the pair took {ratio:.1f}x one engine's time for half the work (alone {alone:.1f}s)"
 
 
 def test_engines_on_disjoint_cpus_size_their_pools_to_their_share(tmp_path: Path) -> None:
