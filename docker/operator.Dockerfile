@@ -17,7 +17,7 @@ WORKDIR /app
 COPY operator/tandem_operator /app/tandem_operator
 
 # Fail the build if the operator ever pulls in torch or the engine.
-RUN python -c "import sys, tandem_operator.handlers, tandem_operator.cli, tandem_operator.planner; \
+RUN python -c "import sys, tandem_operator.handlers, tandem_operator.cli, tandem_operator.autoscaling.planner; \
 bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tandem_engine', 'tandem_router')]; \
 sys.exit(f'operator imports {bad}' if bad else 0)"
 

@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from tandem_operator import GROUP, KIND, PLURAL, VERSION
-from tandem_operator.autoscaler import Autoscaler
+from tandem_operator.autoscaling.loop import Autoscaler
 from tandem_operator.kube import KubeClient
 from tandem_operator.kv_verification import Verifier
 from tandem_operator.naming import LABEL_ISVC
@@ -139,7 +139,7 @@ def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
 async def autoscale(
     body: kopf.Body, namespace: str | None, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
 ) -> None:
-    """While `spec.autoscaling` is set: the planner's loop (autoscaler.py); kopf stops it when the field
+    """While `spec.autoscaling` is set: the planner's loop (autoscaling/loop.py); kopf stops it when the field
     goes or the service is deleted, and starts it again after an operator restart."""
     await Autoscaler(memo["client"], str(namespace), name).run(body, stopped)
 

@@ -3,7 +3,7 @@ and `status.revisions`: which engine revisions serve, and their share of the req
 
 A P/D service can look healthy while it runs as decode-only (every prompt prefilled again on decode) or
 while every KV load fails; both are what users of disaggregated serving report most. Each tick compares two
-scrapes (signals.py) of the router (`tandem:router_pd_decisions_total`) and the decode engines
+scrapes (autoscaling/signals.py) of the router (`tandem:router_pd_decisions_total`) and the decode engines
 (`tandem:kv_transfer_received_blocks_total`, `tandem:kv_transfer_failures_total`) and judges the interval:
 
 - False `TransferFailed`: KV loads failed on decode engines;
@@ -30,9 +30,9 @@ from typing import Any
 import aiohttp
 import kopf
 
-from tandem_operator.autoscaler import run_ticks, scrape
+from tandem_operator.autoscaling.loop import run_ticks, scrape
+from tandem_operator.autoscaling.signals import RouterSample, Scrape, increase
 from tandem_operator.kube import KubeClient, KubeError
-from tandem_operator.signals import RouterSample, Scrape, increase
 from tandem_operator.spec import SpecError, parse_spec
 from tandem_operator.status import KV_CONDITION, kv_condition
 

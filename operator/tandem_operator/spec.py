@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_operator.autoscaling import AutoscalingSpec, parse_autoscaling
+from tandem_operator.autoscaling.spec import AutoscalingSpec, parse_autoscaling
 from tandem_operator.naming import MAX_NAME_LENGTH
 from tandem_operator.ports import MAX_RANKS, EnginePorts
 

@@ -12,9 +12,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem_operator.autoscaling import AutoscalingSpec, Fallback, RatioBounds, RoleBounds, Targets
-from tandem_operator.planner import Plan, Planner, Replicas
-from tandem_operator.signals import PoolSignals, RouterSignals, Signals
+from tandem_operator.autoscaling.planner import Plan, Planner, Replicas
+from tandem_operator.autoscaling.signals import PoolSignals, RouterSignals, Signals
+from tandem_operator.autoscaling.spec import AutoscalingSpec, Fallback, RatioBounds, RoleBounds, Targets
 
 INTERVAL = 15.0
 

@@ -1,14 +1,14 @@
 """What the planner's loop writes: the replicas patch, status.autoscaling and its lastScale history
-(operator/tandem_operator/autoscaler.py). The loop itself runs against a real control plane in
+(operator/tandem_operator/autoscaling/loop.py). The loop itself runs against a real control plane in
 tests/operator/test_cluster_e2e.py."""
 
 from __future__ import annotations
 
 from planner_utils import Offered, System, config
 
-from tandem_operator.autoscaler import autoscaling_status, deletion_costs, replicas_patch
-from tandem_operator.planner import Planner, Replicas
-from tandem_operator.signals import EngineSample, Scrape, parse_engine
+from tandem_operator.autoscaling.loop import autoscaling_status, deletion_costs, replicas_patch
+from tandem_operator.autoscaling.planner import Planner, Replicas
+from tandem_operator.autoscaling.signals import EngineSample, Scrape, parse_engine
 
 
 def test_a_step_patches_only_the_roles_that_move_and_records_why() -> None:

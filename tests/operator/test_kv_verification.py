@@ -7,8 +7,8 @@ from typing import Any
 
 from isvc_utils import example
 
+from tandem_operator.autoscaling.signals import EngineSample, RouterSample, Scrape, parse_engine, parse_router
 from tandem_operator.kv_verification import judge, revisions
-from tandem_operator.signals import EngineSample, RouterSample, Scrape, parse_engine, parse_router
 from tandem_operator.spec import parse_spec
 from tandem_operator.status import KV_CONDITION, compute_status, invalid_status, kv_condition
 

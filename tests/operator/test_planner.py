@@ -7,8 +7,8 @@ import dataclasses
 
 from planner_utils import INTERVAL, Offered, System, at, config, direction_changes, run, series
 
-from tandem_operator.planner import Planner, Replicas
-from tandem_operator.signals import PoolSignals, RouterSignals, Signals
+from tandem_operator.autoscaling.planner import Planner, Replicas
+from tandem_operator.autoscaling.signals import PoolSignals, RouterSignals, Signals
 
 QUIET = Offered(streams=4, prompt_rate=500)
 

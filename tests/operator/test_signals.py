@@ -1,4 +1,4 @@
-"""signals.py on the exposition text the engines and the router really write (their own metric classes)."""
+"""autoscaling/signals.py on the exposition text the engines and the router really write (their own metric classes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import Gauge, generate_latest
 
 from tandem_engine.frontend.metrics import EngineMetrics
-from tandem_operator.signals import (
+from tandem_operator.autoscaling.signals import (
     Scrape,
     parse_engine,
     parse_router,

@@ -1,6 +1,6 @@
 """`spec.autoscaling`: the planner's settings, their defaults and the checks the CRD's schema also makes.
 
-Parsed by `spec.parse_spec`; docs/crd-reference.md lists the fields and docs/architecture.md
+Parsed by `tandem_operator.spec.parse_spec`; docs/crd-reference.md lists the fields and docs/architecture.md
 ("P/D autoscaling") the model the planner applies them with.
 """
 

@@ -20,10 +20,10 @@ from typing import Any
 import aiohttp
 import kopf
 
+from tandem_operator.autoscaling.planner import Decision, Plan, Planner, Replicas
+from tandem_operator.autoscaling.signals import Scrape, Signals, parse_engine, parse_router, read_pods, signals
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.naming import Component, workload_name
-from tandem_operator.planner import Decision, Plan, Planner, Replicas
-from tandem_operator.signals import Scrape, Signals, parse_engine, parse_router, read_pods, signals
 from tandem_operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from tandem_operator.status import now
 

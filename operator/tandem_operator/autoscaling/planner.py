@@ -15,8 +15,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from tandem_operator.autoscaling import AutoscalingSpec, RoleBounds
-from tandem_operator.signals import PoolSignals, Signals
+from tandem_operator.autoscaling.signals import PoolSignals, Signals
+from tandem_operator.autoscaling.spec import AutoscalingSpec, RoleBounds
 
 TOLERANCE = 0.1  # ratios within 10% of 1 change nothing (the HPA's default)
 PREFILL_UTILIZATION = 0.8  # share of a prefill replica's measured throughput the plan fills
