@@ -48,7 +48,7 @@ run: setup ## serve the embedded model at http://127.0.0.1:$(PORT)
 test: setup tools images ## run the whole test suite (the first run builds the Kubernetes tools and the images)
 	$(VENV)/bin/pytest -q --durations=25
 
-bench: setup ## run the benchmarks, results land in bench/results/
+bench: setup ## run serving, engine_profile, profile_step, fused_decode, migration, overload and pd_membership (the others: docs/benchmarks.md)
 	$(PY) bench/serving.py
 	$(PY) bench/engine_profile.py --batch 32 --prompt-len 256 --output-len 128
 	$(PY) bench/profile_step.py
