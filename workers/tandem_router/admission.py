@@ -34,16 +34,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 from aiohttp import web
 
-from tandem_router.pool import Endpoint, PoolKind
+from tandem_router.config import RouterConfig
+from tandem_router.metrics import RouterMetrics
+from tandem_router.pool import Endpoint, Pool, PoolKind
 from tandem_router.proxy import NoEndpoint, error_body
 from tandem_router.request import ParsedRequest
-
-if TYPE_CHECKING:
-    from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +50,17 @@ DEFAULT_CAP = 64  # `tandem serve --max-num-seqs` by default, for engines that d
 HOLD_SMOOTHING = 0.1  # weight of the newest slot hold time in the running mean behind Retry-After
 # Retry-After of a cold-start 503: a retry is held again, so retrying at once loses no time.
 COLD_START_RETRY_AFTER = 1
+
+
+class AdmissionRouter(Protocol):
+    """What admission uses of the router: its settings, its metrics and the decode pool it caps."""
+
+    @property
+    def config(self) -> RouterConfig: ...
+    @property
+    def metrics(self) -> RouterMetrics: ...
+    @property
+    def decode(self) -> Pool: ...
 
 
 @dataclass(order=True)
@@ -96,7 +106,7 @@ class Slot:
 
 
 class Admission:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: AdmissionRouter) -> None:
         self.router = router
         self.config = router.config
         self.enabled = self.config.admission_control

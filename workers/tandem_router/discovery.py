@@ -12,20 +12,28 @@ import asyncio
 import logging
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tandem_router.config import RouterConfig
 from tandem_router.pool import Pool
 
-if TYPE_CHECKING:
-    from tandem_router.router import Router
-
 logger = logging.getLogger(__name__)
+
+
+class DiscoveredPools(Protocol):
+    """What discovery uses of the router: the pools it fills, and whether their endpoints start admitted."""
+
+    @property
+    def config(self) -> RouterConfig: ...
+    @property
+    def decode(self) -> Pool: ...
+    @property
+    def prefill(self) -> Pool: ...
 
 
 class Discovery(ABC):
     @abstractmethod
-    async def start(self, router: Router) -> None: ...
+    async def start(self, router: DiscoveredPools) -> None: ...
 
     async def stop(self) -> None:
         return None
@@ -36,7 +44,7 @@ class StaticDiscovery(Discovery):
         self.decode_urls = decode_urls
         self.prefill_urls = prefill_urls
 
-    async def start(self, router: Router) -> None:
+    async def start(self, router: DiscoveredPools) -> None:
         # Without active health checks nothing would ever admit them, so they start admitted.
         healthy = router.config.health_interval <= 0
         router.decode.set_urls(self.decode_urls, healthy=healthy)
@@ -182,7 +190,7 @@ class KubernetesDiscovery(Discovery):
             config.load_kube_config(config_file=self.config.kubeconfig)  # type: ignore[no-untyped-call]
         return client.DiscoveryV1Api()
 
-    async def start(self, router: Router) -> None:
+    async def start(self, router: DiscoveredPools) -> None:
         self.loop = asyncio.get_running_loop()
         self.api = await asyncio.to_thread(self._load_client)
         pairs = [(router.decode, self.config.decode_selector), (router.prefill, self.config.prefill_selector)]

@@ -9,23 +9,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem_router.config import RouterConfig
 from tandem_router.pool import REVISION_HEADER, Endpoint, Pool
-
-if TYPE_CHECKING:
-    from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                        "tandem:engine_max_num_seqs")
 
 
+class EngineCaps(Protocol):
+    """Admission's part in health checks: whether they read the engines' caps, and a nudge when a cap grew."""
+
+    @property
+    def reads_engine_caps(self) -> bool: ...
+    def poll(self) -> None: ...
+
+
+class CheckedRouter(Protocol):
+    """What health checks use of the router: both pools, the session, and where a check's findings go."""
+
+    @property
+    def config(self) -> RouterConfig: ...
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+    @property
+    def decode(self) -> Pool: ...
+    @property
+    def prefill(self) -> Pool: ...
+    @property
+    def scrapes_engine_load(self) -> bool: ...
+    @property
+    def admission(self) -> EngineCaps: ...
+    def note_revision(self, ep: Endpoint, revision: str) -> None: ...
+
+
 class HealthChecker:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: CheckedRouter) -> None:
         self.router = router
         self._task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None

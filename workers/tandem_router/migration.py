@@ -22,19 +22,26 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from tandem_router.policies import RoutingRequest
-from tandem_router.proxy import NoEndpoint, Upstream, error_body, error_response, open_upstream, relay
+from tandem_router.pool import Pool
+from tandem_router.proxy import NoEndpoint, Upstream, UpstreamRouter, error_body, error_response, open_upstream, relay
 from tandem_router.request import ParsedRequest, token_limit
 
-if TYPE_CHECKING:
-    from tandem_router.router import Router
-
 logger = logging.getLogger(__name__)
+
+
+class MigrationRouter(UpstreamRouter, Protocol):
+    """What migration uses of the router besides sending: the decode pool and the revision to resume on."""
+
+    @property
+    def decode(self) -> Pool: ...
+    def revision_up(self, pool: Pool, revision: str | None, exclude: set[str]) -> str | None: ...
+
 
 # Request fields a continuation carries over unchanged: they shape sampling and stopping the same way
 # in both APIs. (Presence and frequency penalties count only output tokens, so a resumed request with
@@ -247,7 +254,7 @@ async def finish_locally(out: web.StreamResponse, state: StreamState, finish_rea
     await out.write(sse("[DONE]"))
 
 
-async def relay_resumable(router: Router, request: web.Request, up: Upstream, req: ParsedRequest,
+async def relay_resumable(router: MigrationRouter, request: web.Request, up: Upstream, req: ParsedRequest,
                           rreq: RoutingRequest, headers: dict[str, str], request_id: str,
                           t_start: float, replay: tuple[str, bytes] | None = None) -> web.StreamResponse:
     """Relay a streamed answer, resuming it on another engine when its engine breaks; closes every
@@ -344,7 +351,7 @@ async def relay_resumable(router: Router, request: web.Request, up: Upstream, re
         up.close()
 
 
-async def relay_whole(router: Router, request: web.Request, up: Upstream, req: ParsedRequest, path: str,
+async def relay_whole(router: MigrationRouter, request: web.Request, up: Upstream, req: ParsedRequest, path: str,
                       rreq: RoutingRequest, headers: dict[str, str], request_id: str,
                       t_start: float) -> web.StreamResponse:
     """A whole (non-streamed) answer: the client has seen nothing until it is complete, so an engine

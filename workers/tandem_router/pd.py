@@ -18,22 +18,30 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 import msgspec
 
 from tandem_router.policies import RoutingRequest
-from tandem_router.proxy import NoEndpoint, Upstream, open_upstream
+from tandem_router.pool import Endpoint, Pool
+from tandem_router.proxy import NoEndpoint, Upstream, UpstreamRouter, open_upstream
 from tandem_router.request import ParsedRequest, PrefillAnswer, RemotePrefillParams, decode_body, prefill_body
-
-if TYPE_CHECKING:
-    from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
 # A decode leg that failed with these took nothing in (refused, unreachable, overloaded, draining): safe to send
 # again, as a whole request, to any decode endpoint.
 FALLBACK_STATUS = frozenset({429, 502, 503})
+
+
+class PDRouter(UpstreamRouter, Protocol):
+    """What the P/D flow uses of the router besides sending: both pools and the revision pairing."""
+
+    @property
+    def decode(self) -> Pool: ...
+    @property
+    def prefill(self) -> Pool: ...
+    def paired(self, decodes: list[Endpoint]) -> list[Endpoint]: ...
 
 
 class ClientErrorFromPrefill(Exception):
@@ -46,7 +54,7 @@ class ClientErrorFromPrefill(Exception):
 
 
 async def run_prefill(
-    router: Router, path: str, req: ParsedRequest, rreq: RoutingRequest, headers: dict[str, str], revision: str
+    router: PDRouter, path: str, req: ParsedRequest, rreq: RoutingRequest, headers: dict[str, str], revision: str
 ) -> RemotePrefillParams | None:
     """The prefill leg, on a prefill endpoint of `revision` (the decode endpoint's); returns the
     `kv_transfer_params` to hand to decode, or None to prefill locally."""
@@ -88,7 +96,7 @@ async def run_prefill(
 
 
 async def open_pd(
-    router: Router,
+    router: PDRouter,
     path: str,
     req: ParsedRequest,
     rreq: RoutingRequest,

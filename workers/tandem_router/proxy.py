@@ -14,20 +14,42 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
+from tandem_router.config import RouterConfig
+from tandem_router.metrics import RouterMetrics
 from tandem_router.policies import Decision, RoutingRequest
 from tandem_router.pool import Endpoint, Pool, PoolKind
-
-if TYPE_CHECKING:
-    from tandem_router.router import Router
 
 logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+
+
+class CapFilter(Protocol):
+    """Admission's part in choosing: the candidates still under their cap."""
+
+    def under_cap(self, candidates: list[Endpoint]) -> list[Endpoint]: ...
+
+
+class UpstreamRouter(Protocol):
+    """What sending a request to a pool and relaying its answer use of the router."""
+
+    @property
+    def config(self) -> RouterConfig: ...
+    @property
+    def metrics(self) -> RouterMetrics: ...
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+    @property
+    def admission(self) -> CapFilter: ...
+    def choose(self, pool: Pool, candidates: list[Endpoint], rreq: RoutingRequest) -> Decision: ...
+    def acquire(self, ep: Endpoint, tokens: int) -> None: ...
+    def release(self, ep: Endpoint, tokens: int) -> None: ...
+    def pool(self, role: PoolKind) -> Pool: ...
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict[str, Any]:
@@ -66,7 +88,7 @@ class Upstream:
     decision: Decision
     resp: aiohttp.ClientResponse
     tokens: int
-    router: Router
+    router: UpstreamRouter
     closed: bool = False
 
     @property
@@ -96,7 +118,7 @@ class Upstream:
 
 
 async def open_upstream(
-    router: Router,
+    router: UpstreamRouter,
     pool: Pool,
     path: str,
     payload: bytes,
@@ -178,7 +200,7 @@ def sse_error(status: int, message: str) -> bytes:
 
 
 async def relay(
-    router: Router, request: web.Request, up: Upstream, request_id: str, t_start: float
+    router: UpstreamRouter, request: web.Request, up: Upstream, request_id: str, t_start: float
 ) -> web.StreamResponse:
     """Relay an upstream answer to the client; always closes `up`."""
     metrics = router.metrics
