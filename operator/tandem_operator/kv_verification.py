@@ -1,23 +1,10 @@
 """`KVTransferVerified`: whether KV actually moves from prefill to decode engines, from their own counters;
 and `status.revisions`: which engine revisions serve, and their share of the requests.
 
-A P/D service can look healthy while it runs as decode-only (every prompt prefilled again on decode) or
-while every KV load fails; both are what users of disaggregated serving report most. Each tick compares two
-scrapes (autoscaling/signals.py) of the router (`tandem:router_pd_decisions_total`) and the decode engines
-(`tandem:kv_transfer_received_blocks_total`, `tandem:kv_transfer_failures_total`) and judges the interval:
-
-- False `TransferFailed`: KV loads failed on decode engines;
-- False `PrefillFallingBack`: more than a fifth of the prompts sent to prefill came back to decode
-  (the prefill leg failed or returned nothing) and were prefilled there;
-- False `NoPrefillEngine`: long prompts were prefilled on decode because no prefill engine was up (of
-  their revision), and none went through one;
-- False `NoKVReceived`: prompts went through a prefill engine, but decode engines received no block;
-- True `KVReceived`: decode engines received blocks, and none of the above;
-- nothing (the condition stays as it is) when no long prompt came.
-
-The daemon (`Verifier`, one per InferenceService) writes the condition and, on every change, an Event; and
-`status.revisions` from the routers' `tandem:router_revision_endpoints` and
-`tandem:router_revision_requests_total` (a rollout shows two revisions, then one), when it changed.
+A P/D service can look healthy while every prompt is prefilled again on decode, or while every KV load
+fails. A daemon per InferenceService (`Verifier`) compares two scrapes a tick and writes what `judge` and
+`revisions` make of them. The reasons: docs/crd-reference.md, "Status"; the loop: docs/architecture.md,
+"P/D autoscaling".
 """
 
 from __future__ import annotations

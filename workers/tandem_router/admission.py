@@ -1,27 +1,9 @@
 """Overload control: a bounded number of requests per decode endpoint, a bounded priority queue in
 front of them, and 429 beyond it (docs/operations.md, "Overload").
 
-Each healthy decode (or colocated) endpoint runs at most its cap of requests at once:
-`--max-in-flight-per-endpoint` when set, else the engine's `tandem:engine_max_num_seqs` gauge (what
-it runs at once, read by the health checks), else 64 (`tandem serve`'s default `--max-num-seqs`). A
-client request holds an admission slot from before it is dispatched until its answer ends, however it
-ends (complete, error, client gone), so the router holds at most the sum of the healthy endpoints'
-caps, and the routing policies are offered only the endpoints still under theirs. Prefill legs are
-short and are not counted.
-
-A request that finds no room waits in a queue ordered by its `priority` field (lower first, vLLM's
-meaning; default 0) then arrival, for at most `--queue-timeout` seconds. A request that finds the queue
-full is answered 429 at once, unless it outranks someone queued: then the last-arrived of the lowest
-priority leaves with the 429 instead. A request whose wait for a slot, foreseen at arrival from the
-requests queued ahead of it and the recent pace, passes `--queue-timeout` is answered 429 at once too,
-rather than after waiting the timeout out; the pace is trusted once requests have finished (before that
-nothing is foreseen), and a request let in on a wrong estimate still leaves at its timeout. Every 429
-carries `Retry-After`, the time the queue ahead would take to drain at the recent pace.
-
-With no healthy decode endpoint nothing waits, and the request gets the router's 503, unless
-`--cold-start-timeout` is set (scale from zero, docs/operations.md): then requests are held in the same
-queue, bound and order until a decode endpoint is admitted, and one still held when its timeout passes
-gets 503 with `Retry-After`. The hold works with admission control off too; only the caps are gone.
+A request holds its slot from before it is dispatched until its answer ends, however it ends, and the
+policies are offered only the endpoints still under their cap. With `--cold-start-timeout` the same queue
+holds requests while no decode endpoint is up (docs/operations.md, "Scale from zero").
 """
 
 from __future__ import annotations

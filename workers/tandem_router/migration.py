@@ -1,17 +1,9 @@
 """Mid-stream migration: a streamed answer survives the engine that was producing it.
 
-The router asks the decode (or colocated) engine for the token ids of every chunk (`return_token_ids`,
-stripped again unless the client asked for them) and keeps what the client has been sent: the prompt's
-token ids, the generated ids and the chunk metadata. When the stream breaks after the first byte (the
-connection is cut or reset, the engine sends an error event, or it goes silent past the read timeout),
-the request is resumed on another healthy engine of the pool as a completions request whose prompt is
-the prompt's ids plus every id already sent, with the same sampling parameters and the remaining token
-budget. Its chunks are rewritten into the client's format (completions or chat, the original id and
-creation time), its usage into the whole answer's. Greedy and seeded sampling continue with exactly the
-tokens the first engine would have produced (the engine's seeded noise depends only on the seed and the
-token's position). A resumed request is an ordinary local prefill on its new engine (in P/D mode too:
-the KV of the first engine is gone with it), which hits that engine's prefix cache where it holds the
-prompt. See docs/architecture.md, "When something fails".
+The router keeps what the client has been sent (the prompt's token ids and the generated ones); when the
+stream breaks after the first byte, it resumes the answer on another healthy engine of the pool from those
+ids, and rewrites the new engine's chunks into the client's format. A whole answer whose engine breaks
+before its body is read is sent again. See docs/architecture.md, "When something fails".
 """
 
 from __future__ import annotations
