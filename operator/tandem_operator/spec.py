@@ -157,7 +157,7 @@ class InferenceServiceSpec:
         return self.prefill.enabled
 
 
-class _Reader:
+class SpecReader:
     """Reads typed fields out of a plain dict, collecting every problem instead of stopping at one."""
 
     def __init__(self) -> None:
@@ -259,7 +259,7 @@ def served_name_for(uri: str) -> str:
 
 def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
     """Parse an `InferenceService` object (as a dict) into a typed spec or raise `SpecError`."""
-    r = _Reader()
+    r = SpecReader()
     meta = body.get("metadata") or {}
     name = str(meta.get("name", ""))
     namespace = str(meta.get("namespace") or "default")
@@ -310,7 +310,7 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
     )
 
 
-def _model(r: _Reader, raw: dict[str, Any]) -> ModelSpec:
+def _model(r: SpecReader, raw: dict[str, Any]) -> ModelSpec:
     uri = r.string(raw, "uri", "spec.model", None)
     if not uri:
         r.problems.append("spec.model.uri: is required")
@@ -326,7 +326,7 @@ def _model(r: _Reader, raw: dict[str, Any]) -> ModelSpec:
     )
 
 
-def _engine(r: _Reader, raw: dict[str, Any]) -> EngineSpec:
+def _engine(r: SpecReader, raw: dict[str, Any]) -> EngineSpec:
     p = "spec.engine"
     extra = r.strings(raw, "extraArgs", p)
     for arg in extra:
@@ -357,7 +357,7 @@ def _engine(r: _Reader, raw: dict[str, Any]) -> EngineSpec:
     )
 
 
-def _kv_events(r: _Reader, raw: dict[str, Any]) -> KVEventsSpec:
+def _kv_events(r: SpecReader, raw: dict[str, Any]) -> KVEventsSpec:
     p = "spec.engine.kvEvents"
     port = r.required_int(raw, "port", p, DEFAULT_KV_EVENTS_PORT, minimum=0, maximum=65535)
     if 0 < port < 1024:
@@ -367,7 +367,7 @@ def _kv_events(r: _Reader, raw: dict[str, Any]) -> KVEventsSpec:
     )
 
 
-def _kv_transfer(r: _Reader, spec: dict[str, Any]) -> KVTransferSpec | None:
+def _kv_transfer(r: SpecReader, spec: dict[str, Any]) -> KVTransferSpec | None:
     if spec.get("kvTransfer") is None:
         return None
     raw = r.section(spec, "kvTransfer", "spec")
@@ -384,7 +384,7 @@ def _kv_transfer(r: _Reader, spec: dict[str, Any]) -> KVTransferSpec | None:
     )
 
 
-def _role(r: _Reader, raw: dict[str, Any], p: str, enabled_default: bool) -> RoleSpec:
+def _role(r: SpecReader, raw: dict[str, Any], p: str, enabled_default: bool) -> RoleSpec:
     startup = r.section(raw, "startup", p)
     return RoleSpec(
         enabled=r.boolean(raw, "enabled", p, enabled_default) if "prefill" in p else True,
@@ -398,7 +398,7 @@ def _role(r: _Reader, raw: dict[str, Any], p: str, enabled_default: bool) -> Rol
     )
 
 
-def _router(r: _Reader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
+def _router(r: SpecReader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
     p = "spec.router"
     auth = r.section(raw, "auth", p)
     secret = r.string(auth, "secretName", f"{p}.auth", None) if auth else None
@@ -416,7 +416,7 @@ def _router(r: _Reader, raw: dict[str, Any], engine_image: str) -> RouterSpec:
     )
 
 
-def _rollout(r: _Reader, raw: dict[str, Any]) -> RolloutSpec:
+def _rollout(r: SpecReader, raw: dict[str, Any]) -> RolloutSpec:
     p = "spec.rollout"
     return RolloutSpec(
         strategy=r.string(raw, "strategy", p, "Surge", ROLLOUT_STRATEGIES) or "Surge",
@@ -424,7 +424,7 @@ def _rollout(r: _Reader, raw: dict[str, Any]) -> RolloutSpec:
     )
 
 
-def _network_policy(r: _Reader, raw: dict[str, Any]) -> NetworkPolicySpec:
+def _network_policy(r: SpecReader, raw: dict[str, Any]) -> NetworkPolicySpec:
     p = "spec.networkPolicy"
     peers = raw.get("metricsFrom") or []
     if not isinstance(peers, list) or not all(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem_operator.spec import _Reader
+    from tandem_operator.spec import SpecReader
 
 PERCENTILES = (50, 75, 90, 95, 99)
 
@@ -64,7 +64,7 @@ class AutoscalingSpec:
 
 
 def _number(
-    r: _Reader, obj: dict[str, Any], key: str, path: str, default: float, minimum: float, maximum: float
+    r: SpecReader, obj: dict[str, Any], key: str, path: str, default: float, minimum: float, maximum: float
 ) -> float:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -75,7 +75,7 @@ def _number(
     return float(value)
 
 
-def _bounds(r: _Reader, raw: dict[str, Any], path: str) -> RoleBounds:
+def _bounds(r: SpecReader, raw: dict[str, Any], path: str) -> RoleBounds:
     if "maxReplicas" not in raw:
         r.problems.append(f"{path}.maxReplicas: is required")
     low = r.required_int(raw, "minReplicas", path, 1, minimum=0, maximum=1000)
@@ -85,7 +85,7 @@ def _bounds(r: _Reader, raw: dict[str, Any], path: str) -> RoleBounds:
     return RoleBounds(low, high)
 
 
-def _ratio(r: _Reader, raw: dict[str, Any]) -> RatioBounds:
+def _ratio(r: SpecReader, raw: dict[str, Any]) -> RatioBounds:
     p = "spec.autoscaling.prefillDecodeRatio"
     low = _number(r, raw, "min", p, 0.0, 0.0, 100.0) if "min" in raw else None
     high = _number(r, raw, "max", p, 0.0, 0.01, 100.0) if "max" in raw else None
@@ -94,7 +94,7 @@ def _ratio(r: _Reader, raw: dict[str, Any]) -> RatioBounds:
     return RatioBounds(low, high)
 
 
-def parse_autoscaling(r: _Reader, spec: dict[str, Any], disaggregated: bool) -> AutoscalingSpec | None:
+def parse_autoscaling(r: SpecReader, spec: dict[str, Any], disaggregated: bool) -> AutoscalingSpec | None:
     """`spec.autoscaling` typed, or None when it is absent (fixed replicas)."""
     if spec.get("autoscaling") is None:
         return None
