@@ -60,8 +60,9 @@ bench: setup ## run serving, engine_profile, profile_step, fused_decode, migrati
 bench-deps: setup ## build llama-cpp-python into .venv for bench/vs_llama_cpp.py (a cmake build of llama.cpp: minutes)
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" $(PIP) install -q llama-cpp-python==0.3.36
 
-lint: setup ## ruff, and mypy --strict on every package
+lint: setup ## ruff, mypy --strict on every package, and the import contracts (the engine's layers among them)
 	$(VENV)/bin/ruff check operator workers tests bench
 	$(VENV)/bin/mypy operator/tandem_operator workers/tandem_router workers/tandem_engine workers/tandem_cli
+	PYTHONPATH=operator:workers $(VENV)/bin/lint-imports
 
 typecheck: lint ## alias of lint

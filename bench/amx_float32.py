@@ -1,10 +1,10 @@
-"""The float32 AMX kernel over the GGUF file's blocks (models/amx_matmul.py) against the float32 panels and
+"""The float32 AMX kernel over the GGUF file's blocks (kernels/amx_matmul.py) against the float32 panels and
 oneDNN's packed float32 matmul, on SmolLM2's 30 layers of projections, weights streamed from memory.
 
     .venv/bin/python bench/amx_float32.py [--rows 1,8,16,24,32,64,128,512 --reps 7]
 
 The weights are the embedded model's own: each projection's Q4_1 blocks from the GGUF file, packed for the AMX
-kernel and for the panels (dense_matmul.py's block panels), and the float32 weights they dequantize to for
+kernel and for the panels (panel_matmul.py's block panels), and the float32 weights they dequantize to for
 oneDNN. One pass calls one kernel on every layer's four projections in turn for `rows` rows of x (30 layers'
 weights do not stay in cache between a layer's turns); the three kernels take turns pass by pass, so all
 three see the same load. Writes bench/results/amx_float32.{json,md,png} (docs/benchmarks.md,
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from harness import MODEL, bench_main, describe, save_plot
 
+from tandem_engine.kernels.amx_matmul import AmxBlockLinear, amx_unfit, block_values, load_amx_kernel
+from tandem_engine.kernels.panel_matmul import PanelLinear, load_panel_kernel
 from tandem_engine.models import packed_linear
-from tandem_engine.models.amx_matmul import AmxBlockLinear, amx_unfit, block_values, load_amx_kernel
-from tandem_engine.models.dense_matmul import PanelLinear, load_dense_kernel
 from tandem_engine.models.gguf_quantized import dense_blocks
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
@@ -46,7 +46,7 @@ def projections() -> list[tuple[AmxBlockLinear, PanelLinear, torch.Tensor, torch
     src = resolve_model(MODEL)
     cfg, _, _ = load_config_and_tokenizer(src)
     cache = Path(tempfile.gettempdir()) / "tandem-bench-amx"
-    amx, dense = load_amx_kernel(cache), load_dense_kernel(cache)
+    amx, dense = load_amx_kernel(cache), load_panel_kernel(cache)
     assert amx is not None and dense is not None
     blocks = dense_blocks(src.path, cfg.num_hidden_layers, bool(cfg.tie_word_embeddings))
     out = []

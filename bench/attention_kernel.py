@@ -29,11 +29,11 @@ import torch
 from harness import MODEL, bench_main, describe, save_plot
 from profile_step import read_rate
 
-from tandem_engine.attention.torch_backend import build_kernel, kernel_scratch
 from tandem_engine.config import EngineConfig
+from tandem_engine.kernels.paged_attention import build_kernel, kernel_scratch
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
-SOURCE = "workers/tandem_engine/attention/paged_attention.c"
+SOURCE = "workers/tandem_engine/kernels/paged_attention.c"
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = ("contiguous", "scattered")
 

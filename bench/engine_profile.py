@@ -21,6 +21,7 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.worker.model_runner import ModelRunner
 
 
 def main() -> None:
@@ -38,7 +39,8 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     core = EngineCore(EngineConfig(model=a.model, dtype=a.dtype, max_num_seqs=max(64, a.batch),
-                                   max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=2048))
+                                   max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=2048),
+                      runner=ModelRunner)
     rng = random.Random(0)
     for i in range(a.batch):
         prompt = [rng.randrange(100, 40000) for _ in range(a.prompt_len)]

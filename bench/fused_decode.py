@@ -1,4 +1,4 @@
-"""A decode step under `--quantization gguf` in one C call (models/gguf_decode.py) against op by op, in
+"""A decode step under `--quantization gguf` in one C call (worker/decode_step.py) against op by op, in
 process on the embedded model.
 
     .venv/bin/python bench/fused_decode.py [--batches 1 4 --context 128 --steps 200 --threads N]
@@ -33,6 +33,7 @@ from tandem_engine.config import EngineConfig  # noqa: E402
 from tandem_engine.core.engine_core import EngineCore  # noqa: E402
 from tandem_engine.request import Request  # noqa: E402
 from tandem_engine.sampling_params import SamplingParams  # noqa: E402
+from tandem_engine.worker.model_runner import ModelRunner
 
 VARIANTS = ("fused", "op_by_op")
 
@@ -85,7 +86,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     if a.threads:
         torch.set_num_threads(a.threads)
     core = EngineCore(EngineConfig(model=a.model, quantization="gguf", kv_cache_gib=0.25,
-                                   max_model_len=a.context + 2 * a.steps + 16, max_num_seqs=max(a.batches)))
+                                   max_model_len=a.context + 2 * a.steps + 16, max_num_seqs=max(a.batches)),
+                      runner=ModelRunner)
     if core.runner.model.decode_step is None:
         raise RuntimeError("decode steps do not run fused here (see the engine's start-up log)")
     res: dict[str, Any] = {"threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

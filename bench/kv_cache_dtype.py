@@ -33,6 +33,7 @@ from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.worker.greedy_probe import GreedyRun, greedy_decode, logprob_drift, token_agreement
+from tandem_engine.worker.model_runner import ModelRunner
 
 KV_DTYPES = ["float32", "bfloat16", "float16"]
 # The fixed quality prompts: prose, code, lists, facts and a long context, so drift is seen over varied text.
@@ -110,7 +111,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     for kv in KV_DTYPES:
         core = EngineCore(EngineConfig(model=a.model, dtype=a.dtype, kv_cache_dtype=kv, kv_cache_gib=a.kv_cache_gib,
                                        max_model_len=max_len, max_num_seqs=max(64, *a.batches),
-                                       max_num_batched_tokens=4096))
+                                       max_num_batched_tokens=4096), runner=ModelRunner)
         row: dict[str, Any] = {"num_blocks": core.runner.num_blocks, "block_bytes": core.runner.block_bytes,
                                "decode_tok_s": {}}
         for b in a.batches:

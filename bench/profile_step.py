@@ -1,5 +1,5 @@
 """Where one batched decode step's time goes, by component, run op by op with torch's norms and activation
-(`torch`) and with the fused CPU kernels (`fused`), and as one C call (`one_call`: models/gguf_decode.py on
+(`torch`) and with the fused CPU kernels (`fused`), and as one C call (`one_call`: worker/decode_step.py on
 its float32 matmuls), next to the float32 ceiling measured in the same run. With `--prefill`, one prefill
 step instead: `--chunk` tokens of fresh `--context`-token prompts (each request ends at its first token, so
 every timed step is prefill alone).
@@ -13,7 +13,7 @@ variants alternating step by step so that both see the same load and about the s
 timers around the model's projections, attention, KV writes, norms (with their residual adds), activation,
 RoPE, LM head and sampler split each op-by-op step; what is left of the model's forward is the Python around
 the layers, and what is left of the step the runner's and scheduler's Python. Inside the one C call the step
-times its own phases (FusedDecodeStep.phase_ns, as its first thread sees them, waits at barriers included):
+times its own phases (DecodeStep.phase_ns, as its first thread sees them, waits at barriers included):
 q|k|v with RoPE and the cache writes and o, gate|up and down are `projections` (so `rope` and `kv_write` read
 0 there), the attention and the copy of its output `attention`, the norms `norm_residual`, SiLU * up
 `activation`. The ceiling is the step's
@@ -49,15 +49,17 @@ from roofline import flops_per_token, rate, shapes  # noqa: E402
 
 from tandem_engine.config import EngineConfig  # noqa: E402
 from tandem_engine.core.engine_core import EngineCore  # noqa: E402
+from tandem_engine.kernels.amx_matmul import AMX_F32_FROM_ROWS, amx_unfit, load_amx_kernel  # noqa: E402
+from tandem_engine.kernels.decode_step import PHASES  # noqa: E402
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps  # noqa: E402
+from tandem_engine.kernels.panel_matmul import load_panel_kernel  # noqa: E402
 from tandem_engine.models import llama  # noqa: E402
-from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, amx_unfit, load_amx_kernel  # noqa: E402
-from tandem_engine.models.dense_matmul import load_dense_kernel  # noqa: E402
-from tandem_engine.models.gguf_decode import PHASES, FusedDecodeStep  # noqa: E402
 from tandem_engine.models.llama import DecoderLayer  # noqa: E402
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model  # noqa: E402
 from tandem_engine.request import Request  # noqa: E402
 from tandem_engine.sampling_params import SamplingParams  # noqa: E402
+from tandem_engine.worker.decode_step import DecodeStep  # noqa: E402
+from tandem_engine.worker.model_runner import ModelRunner
 
 # Components timed inside the model's forward, then outside it (in the order of the table).
 IN_FORWARD = ["projections", "attention", "kv_write", "norm_residual", "activation", "rope"]
@@ -101,15 +103,15 @@ def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) 
         return out
 
     backend.forward = attention  # type: ignore[method-assign]
-    one_call = FusedDecodeStep.__call__
+    one_call = DecodeStep.__call__
 
-    def fused_step(step: FusedDecodeStep, x: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+    def fused_step(step: DecodeStep, x: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                    meta: Any) -> torch.Tensor:
         if timers.variant is not None:  # every layer's attention reads every row's K and V
             timers.kv_bytes[timers.variant] += per_token * sum(meta.seq_lens_cpu) * len(kv_caches)
         return one_call(step, x, positions, kv_caches, meta)
 
-    FusedDecodeStep.__call__ = fused_step  # type: ignore[method-assign]
+    DecodeStep.__call__ = fused_step  # type: ignore[method-assign]
     backend.write_kv = timers.wrap("kv_write", backend.write_kv)  # type: ignore[method-assign]
     for ops in {id(o): o for o in variants.values()}.values():
         ops.add_rms_norm = timers.wrap("norm_residual", ops.add_rms_norm)  # type: ignore[method-assign]
@@ -120,7 +122,7 @@ def instrument(core: EngineCore, timers: Timers, variants: dict[str, FusedOps]) 
     runner.sampler = timers.wrap("sampling", runner.sampler)  # type: ignore[assignment]
 
 
-# The one C call's phases (gguf_decode.PHASES) charged to the components of the table.
+# The one C call's phases (decode_step.PHASES) charged to the components of the table.
 PHASE_COMPONENTS = {"qkv_rope_kv_write": "projections", "o": "projections", "gate_up": "projections",
                     "down": "projections", "attention": "attention", "attention_out": "attention",
                     "norm_residual": "norm_residual", "activation": "activation"}
@@ -128,7 +130,7 @@ PHASE_COMPONENTS = {"qkv_rope_kv_write": "projections", "o": "projections", "gat
 
 class Variant(NamedTuple):
     ops: FusedOps
-    step: FusedDecodeStep | None  # the model's fused decode step, or None: op by op
+    step: DecodeStep | None  # the model's fused decode step, or None: op by op
 
 
 def decode_steps(core: EngineCore, a: argparse.Namespace, timers: Timers,
@@ -259,11 +261,11 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(a.threads)
     core = EngineCore(EngineConfig(model=a.model, dtype="float32", kv_cache_gib=a.kv_cache_gib,
                                    max_model_len=a.context + 64, max_num_seqs=max(64, a.batch),
-                                   max_num_batched_tokens=4096))
+                                   max_num_batched_tokens=4096), runner=ModelRunner)
     model = core.runner.model
     fused, step = model.ops, model.decode_step
     variants = {"torch": Variant(TORCH_OPS, None), "fused": Variant(fused, None)}
-    if isinstance(step, FusedDecodeStep):
+    if isinstance(step, DecodeStep):
         step.phase_ns = torch.zeros(len(PHASES), dtype=torch.int64)
         variants["one_call"] = Variant(fused, step)
     timers = Timers()
@@ -275,7 +277,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                            "variants": {name: breakdown(timers, name, ts) for name, ts in times.items()}}
     kv_bytes = res["variants"]["fused"]["kv_bytes_per_step"]
     res["kv_copy_gb_s"] = copy_rate(core, kv_bytes)
-    # The bytes of the weights a step reads: its panels (float32, or the GGUF file's blocks: dense_matmul.py)
+    # The bytes of the weights a step reads: its panels (float32, or the GGUF file's blocks: panel_matmul.py)
     # where the model has them.
     panels_bytes = sum(p.panels.nbytes for layer in model.layers for p in cast(DecoderLayer, layer).panels.values())
     if panels_bytes and model.panel_head is not None:
@@ -297,7 +299,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     prompt_f, token_f = flops_per_token(cfg)
     gflop = (rows * prompt_f + prompts * (token_f - prompt_f) if a.prefill else rows * token_f) / 1e9
     roof = Path(tempfile.gettempdir()) / "tandem-roofline"
-    panels = load_dense_kernel(roof)
+    panels = load_panel_kernel(roof)
     amx = load_amx_kernel(roof) if amx_unfit() is None and model_amx else None
     with_head = not a.prefill
     best = max(rate(cfg, rows, torch.float32, head=with_head), rate(cfg, rows, torch.float32, with_head, True),

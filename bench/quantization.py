@@ -27,8 +27,8 @@ import httpx
 import torch
 from harness import MODEL, bench_main
 
+from tandem_engine.attention.cpu_backend import CpuAttentionBackend
 from tandem_engine.attention.interface import AttentionMetadata
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.loader import load_config_and_tokenizer, load_model, resolve_model
 from tandem_router.procs import tandem_child
@@ -96,7 +96,7 @@ def next_token_logprobs(model: LlamaForCausalLM, ids: list[int], chunk: int = 51
     blocks = -(-len(ids) // bs)
     caches = [(torch.zeros(blocks, bs, spec.num_kv_heads, spec.head_dim),
                torch.zeros(blocks, bs, spec.num_kv_heads, spec.head_dim)) for _ in range(spec.num_layers)]
-    backend, table = TorchAttentionBackend(), torch.arange(blocks, dtype=torch.int32)[None]
+    backend, table = CpuAttentionBackend(), torch.arange(blocks, dtype=torch.int32)[None]
     for s in range(0, len(ids), chunk):
         e = min(s + chunk, len(ids))
         meta = AttentionMetadata(

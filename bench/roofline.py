@@ -7,8 +7,8 @@ Every engine computes the same projections for the same tokens (prompt tokens sk
 floor is: prompt tokens at the best rate measured for prefill chunks of 512 (tandem's CPU step) and 2,048
 rows, plus one decode step per output token at the measured rate for M = batch, each the best of torch's
 matmuls (plain and oneDNN-packed), tandem's own
-float32 panel kernel (models/dense_matmul.py), which is faster at decode shapes, and on a CPU with AMX
-tandem's float32 AMX kernel over GGUF blocks (models/amx_matmul.py; float32 arithmetic on the tile unit,
+float32 panel kernel (kernels/panel_matmul.py), which is faster at decode shapes, and on a CPU with AMX
+tandem's float32 AMX kernel over GGUF blocks (kernels/amx_matmul.py; float32 arithmetic on the tile unit,
 measured on the weights quantized as the embedded model's file holds them: Q4_1, the head Q8_0): the
 ceiling is what the fastest float32 matmul known here allows. Attention, norms and sampling are left out, so
 the ceiling is generous.
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from tandem_engine.kernels.amx_matmul import AmxBlockLinear, AmxKernel, load_amx_kernel
+from tandem_engine.kernels.gguf_matmul import QuantizedWeight
+from tandem_engine.kernels.panel_matmul import PanelKernel, load_panel_kernel, pack_panels
 from tandem_engine.models import packed_linear
-from tandem_engine.models.amx_matmul import AmxBlockLinear, AmxKernel, load_amx_kernel
-from tandem_engine.models.dense_matmul import DenseKernel, load_dense_kernel, pack_panels
-from tandem_engine.models.gguf_linear import QuantizedWeight
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
 MODEL = "smollm2-135m-instruct"
@@ -69,7 +69,7 @@ def _time(fn: Any, min_s: float = 0.4) -> float:
 
 
 def rate(cfg: Any, m: int, dtype: torch.dtype, head: bool, packed: bool = False,
-         panels: DenseKernel | None = None, amx: AmxKernel | None = None) -> float:
+         panels: PanelKernel | None = None, amx: AmxKernel | None = None) -> float:
     """GFLOP/s of one layer's projections (and the LM head) for m tokens: weights as `nn.Linear` holds them,
     or (`packed`) reordered once into oneDNN's blocked layout, as tandem's model runner does for prefill, or
     (`panels`) in tandem's own float32 panels on that kernel, as its fused decode steps run them, or (`amx`)
@@ -148,7 +148,7 @@ def measure(batch: int, input_len: int, output_len: int, prefill_chunks: tuple[i
         ways: list[tuple[str, dict[str, Any]]] = [("", {})]
         if packed_linear.packing_supported(dt, torch.device("cpu")):
             ways.append(("oneDNN-packed ", {"packed": True}))
-        kernel = load_dense_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None
+        kernel = load_panel_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None
         if kernel is not None:
             ways.append(("tandem panels ", {"panels": kernel}))
         amx = load_amx_kernel(Path(tempfile.gettempdir()) / "tandem-roofline") if dt == torch.float32 else None

@@ -13,7 +13,7 @@ Speed (a quiet machine only, else noise): single-stream decode (one request, --o
 default), all with T threads.
 
 Kernel: the gguf projections' time per call at 1..64 rows, C kernel against dequantize + torch's matmul,
-on SmolLM2's shapes (where models/gguf_linear.py's DENSE_FROM_ROWS comes from).
+on SmolLM2's shapes (where kernels/gguf_matmul.py's DENSE_FROM_ROWS comes from).
 
     make bench-deps                              # once: builds llama-cpp-python into .venv (cmake, minutes)
     .venv/bin/python bench/vs_llama_cpp.py                      # everything, on a quiet machine
@@ -38,7 +38,7 @@ from harness import MODEL, bench_main, describe, text
 from quantization import TEXT, next_token_logprobs
 
 from tandem_engine.cpu_budget import plan_threads
-from tandem_engine.models.gguf_linear import GGUFLinear
+from tandem_engine.kernels.gguf_matmul import GGUFLinear
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import load_config_and_tokenizer, load_model, resolve_model, weights_dir
 from tandem_router.procs import tandem_child
@@ -125,11 +125,11 @@ def quality(a: argparse.Namespace) -> dict[str, Any]:
             # sending every row of the window through the kernel scores each token as a decode step would.
             for proj in kernel_projections(model):
                 proj.dense_from_rows = 1 << 30
-            res["tandem_gguf_decode"] = tandem_perplexity(model, ids, a.ctx, a.stride)
+            res["tandem_decode_step"] = tandem_perplexity(model, ids, a.ctx, a.stride)
         del model
     res["llama_cpp"] = llama_cpp_perplexity(llama(a, a.ctx, logits_all=True), ids, a.ctx, a.stride)
     res["gguf_vs_llama_cpp"] = res["tandem_gguf"] / res["llama_cpp"] - 1
-    res["gguf_decode_vs_llama_cpp"] = res["tandem_gguf_decode"] / res["llama_cpp"] - 1
+    res["gguf_decode_vs_llama_cpp"] = res["tandem_decode_step"] / res["llama_cpp"] - 1
     return res
 
 
@@ -246,11 +246,12 @@ def in_process(a: argparse.Namespace) -> dict[str, Any]:
     from tandem_engine.core.engine_core import EngineCore
     from tandem_engine.request import Request
     from tandem_engine.sampling_params import SamplingParams
+    from tandem_engine.worker.model_runner import ModelRunner
 
     torch.set_num_threads(a.threads)
     ids = prompt_ids(a)
     cores = {kv: EngineCore(EngineConfig(model=MODEL, dtype="float32", quantization="gguf", num_threads=a.threads,
-                                         max_num_seqs=4, kv_cache_dtype=kv, kv_cache_gib=0.5))
+                                         max_num_seqs=4, kv_cache_dtype=kv, kv_cache_gib=0.5), runner=ModelRunner)
              for kv in ("float32", "float16")}
     try:
         llm = llama(a, a.input_len + a.output_len + 16, logits_all=False)
@@ -342,8 +343,8 @@ def table(res: dict[str, Any]) -> str:
                  f"| tandem --quantization gguf, prefill path (float32 activations) | {q['tandem_gguf']:.3f} "
                  f"({q['gguf_vs_llama_cpp']:+.2%}) |",
                  *([f"| tandem --quantization gguf, decode path (int8 activations at every token) | "
-                    f"{q['tandem_gguf_decode']:.3f} ({q['gguf_decode_vs_llama_cpp']:+.2%}) |"]
-                   if "tandem_gguf_decode" in q else []),
+                    f"{q['tandem_decode_step']:.3f} ({q['gguf_decode_vs_llama_cpp']:+.2%}) |"]
+                   if "tandem_decode_step" in q else []),
                  f"| tandem dense (dequantized file) | {q['tandem_none']:.3f} |", ""]
     if "speed" in res:
         rows += [f"Single stream: {c['output_len']} tokens after a {c['input_len']}-token prompt, medians of "

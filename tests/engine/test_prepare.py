@@ -28,27 +28,27 @@ def test_prepare_refuses_a_missing_model(tmp_path: Path, capsys: pytest.CaptureF
 def test_prepare_builds_every_kernel_a_start_loads(tmp_path: Path) -> None:
     """After prepare, an engine's start (dense or `--quantization gguf`) loads every C kernel from the cache:
     none is compiled again, so a baked read-only cache starts warm."""
-    from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.kernels.amx_matmul import build_amx_kernel
     from tandem_engine.kernels.build import try_build
+    from tandem_engine.kernels.decode_step import load_decode_kernel
     from tandem_engine.kernels.fused import load_fused_ops
-    from tandem_engine.models.amx_matmul import build_amx_kernel
-    from tandem_engine.models.dense_matmul import load_dense_kernel
-    from tandem_engine.models.gguf_decode import load_decode_kernel
-    from tandem_engine.models.gguf_linear import load_gguf_kernel
+    from tandem_engine.kernels.gguf_matmul import load_gguf_kernel
+    from tandem_engine.kernels.paged_attention import load_kernel
+    from tandem_engine.kernels.panel_matmul import load_panel_kernel
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
     cache = tmp_path / "cache"
     assert prepare.main(["--model", str(gguf), "--cache-dir", str(cache)]) == 0
     built = {p.name for p in (cache / "kernels").glob("*.so")}
-    assert {name.split("_")[0] for name in built} >= {"paged", "fused", "gguf", "dense"}
-    assert any(n.startswith("gguf_matmul_") for n in built) and any(n.startswith("gguf_decode_") for n in built)
+    assert {name.split("_")[0] for name in built} >= {"paged", "fused", "gguf", "panel"}
+    assert any(n.startswith("gguf_matmul_") for n in built) and any(n.startswith("decode_step_") for n in built)
     if platform.machine() == "x86_64":  # built for nodes with AMX whatever this machine has
         assert any(n.startswith("amx_matmul_") for n in built)
     load_gguf_kernel.cache_clear()  # a start is a fresh process: nothing remembered from prepare
-    load_dense_kernel.cache_clear()
+    load_panel_kernel.cache_clear()
     try_build.cache_clear()
     assert load_kernel(cache) is not None and load_fused_ops(cache).native
-    assert load_decode_kernel(cache) is not None and load_dense_kernel(cache) is not None
+    assert load_decode_kernel(cache) is not None and load_panel_kernel(cache) is not None
     load_gguf_kernel(cache)
     if platform.machine() == "x86_64":
         assert build_amx_kernel(cache) is not None

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tandem_engine.attention.cpu_backend import CpuAttentionBackend
 from tandem_engine.attention.interface import AttentionMetadata
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
@@ -135,7 +135,7 @@ def paged_greedy(
     computed = [0] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    backend = TorchAttentionBackend()
+    backend = CpuAttentionBackend()
     while any(len(o) < max_new for o in out):
         live = [i for i in range(len(prompts)) if len(out[i]) < max_new]
         qlens = [min(chunk, len(tokens[i]) - computed[i]) for i in live]
@@ -185,7 +185,7 @@ def prompt_logits(model: LlamaForCausalLM, prompt: torch.Tensor) -> torch.Tensor
     spec, n = model.kv_cache_spec(model.config), prompt.shape[0]
     caches = kv_caches(spec.num_layers, 16, 4, spec.num_kv_heads, spec.head_dim, torch.float32)
     meta = make_meta([n], [n], [[5, 2, 7, 1, 9, 3, 11, 4]], 4)  # up to 32 tokens, scattered
-    return model.compute_logits(model(prompt, torch.arange(n), caches, meta, TorchAttentionBackend()))
+    return model.compute_logits(model(prompt, torch.arange(n), caches, meta, CpuAttentionBackend()))
 
 
 def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]],

@@ -98,10 +98,10 @@ class EngineConfig:
     cpu_fused_kernels: bool = True  # C kernels for residual add + RMSNorm, SiLU * up and RoPE (kernels/fused.py)
     onednn_pack: bool = True  # oneDNN-prepacked weights for batched CPU matmuls (models/packed_linear.py)
     # float32 matmuls of 32 rows or more on AMX over a GGUF file's blocks, where the CPU has AMX
-    # (models/amx_matmul.py)
+    # (kernels/amx_matmul.py)
     cpu_amx_float32: bool = True
     # on the AVX2 build of the panel kernel, float panels beside a GGUF file's blocks for matmuls of 16 rows or
-    # more (models/dense_matmul.py, FLOAT_PANELS_FROM_ROWS): faster batches for 4 more bytes a weight
+    # more (kernels/panel_matmul.py, FLOAT_PANELS_FROM_ROWS): faster batches for 4 more bytes a weight
     cpu_float_panels: bool = True
     quantization: Quantization = "none"  # weight quantization of the projections (models/quantization.py)
     cache_dir: str = field(default_factory=default_cache_dir)

@@ -28,13 +28,13 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     the dense path's panel matmul; `--quantization gguf`'s matmul; on x86, a bfloat16 model's AMX matmul)
     under `cache_dir`. Returns the model's
     safetensors directory. Raises RuntimeError if a kernel cannot be built."""
-    from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.kernels.amx_matmul import build_amx_kernel
     from tandem_engine.kernels.build import compile_for_level, kernel_levels, kernel_march, recording
+    from tandem_engine.kernels.decode_step import load_decode_kernel
     from tandem_engine.kernels.fused import load_fused_ops
-    from tandem_engine.models.amx_matmul import build_amx_kernel
-    from tandem_engine.models.dense_matmul import load_dense_kernel
-    from tandem_engine.models.gguf_decode import load_decode_kernel
-    from tandem_engine.models.gguf_linear import load_gguf_kernel
+    from tandem_engine.kernels.gguf_matmul import load_gguf_kernel
+    from tandem_engine.kernels.paged_attention import load_kernel
+    from tandem_engine.kernels.panel_matmul import load_panel_kernel
     from tandem_engine.models.loader import resolve_model, weights_dir
 
     t0 = time.perf_counter()
@@ -43,7 +43,7 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
         with recording() as built:
             load_gguf_kernel(cache_dir)  # RuntimeError naming the flag if it cannot be built
             if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
-                    or load_decode_kernel(cache_dir) is None or load_dense_kernel(cache_dir) is None:
+                    or load_decode_kernel(cache_dir) is None or load_panel_kernel(cache_dir) is None:
                 raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
             if platform.machine() in ("x86_64", "AMD64"):  # for nodes with AMX; a compiler without it only warns
                 build_amx_kernel(cache_dir)

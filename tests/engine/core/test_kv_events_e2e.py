@@ -23,6 +23,7 @@ from tandem_engine.core.kv_events import (
 )
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.worker.model_runner import ModelRunner
 from tandem_router.procs import free_port_pair
 from tests.engine.engine_server import MODEL, run_server
 
@@ -89,7 +90,7 @@ def test_a_new_request_is_in_the_published_load_before_its_step_computes() -> No
     """Routers weigh the queues engines publish; a request that came in during a step is counted in the
     load sent before the next forward pass, not after it (a prefill step can take most of a second)."""
     core = EngineCore(EngineConfig(model=MODEL, dtype="float32", kv_cache_gib=0.05, max_model_len=512,
-                                   block_size=BS, kv_events_port=free_port_pair()))
+                                   block_size=BS, kv_events_port=free_port_pair()), runner=ModelRunner)
     assert core.kv_events is not None
     trace: list[object] = []
     publish, execute = core.kv_events.publish, core.runner.execute

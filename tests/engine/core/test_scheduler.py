@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from tandem_engine.core.kv_cache_manager import KVCacheManager
-from tandem_engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
+from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.request import Request, RequestStatus
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.scheduler_output import SampledToken, SchedulerOutput
 
 BS = 4
 EOS = 0

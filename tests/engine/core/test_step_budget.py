@@ -9,6 +9,7 @@ from tandem_engine.config import CPU_STEP_TOKENS, GPU_STEP_TOKENS, EngineConfig
 from tandem_engine.core.engine_core import EngineCore
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.worker.model_runner import ModelRunner
 
 
 def test_the_default_budget_depends_on_the_device_and_a_flag_wins() -> None:
@@ -30,7 +31,7 @@ def test_a_stream_keeps_its_pace_while_a_long_prompt_is_prefilled_in_cpu_sized_c
     tokens, and the stream already running gets a token in each of them, instead of one 1300-token
     step that every running stream would wait out."""
     core = EngineCore(EngineConfig(model="smollm2-135m-instruct", dtype="float32", num_kv_blocks=160,
-                                   max_model_len=2048))
+                                   max_model_len=2048), runner=ModelRunner)
     try:
         assert core.device.type == "cpu"
         greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

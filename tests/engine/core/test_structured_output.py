@@ -20,6 +20,7 @@ from tandem_engine.entrypoints.structured import request_grammar
 from tandem_engine.models.loader import resolve_model, weights_dir
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,8 @@ def grammar_of(schema: dict[str, Any]) -> str:
 def core() -> Iterator[EngineCore]:
     # 18 blocks of 16 tokens (one more than a request of max_model_len needs): six requests of ~100 tokens
     # cannot all stay; the newest is preempted.
-    c = EngineCore(EngineConfig(dtype="float32", block_size=16, num_kv_blocks=18, max_model_len=256))
+    c = EngineCore(EngineConfig(dtype="float32", block_size=16, num_kv_blocks=18, max_model_len=256),
+                   runner=ModelRunner)
     yield c
     c.shutdown()
 

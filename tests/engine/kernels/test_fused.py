@@ -152,7 +152,7 @@ def test_build_is_cached_per_directory(tmp_path: Path) -> None:
 def test_loading_a_kernel_keeps_denormals(ops: FusedOps, tmp_path: Path) -> None:
     """The attention kernel is compiled with -ffast-math; linking it must not switch this thread to
     flush-to-zero, or torch's own float32 ops would change."""
-    from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.kernels.paged_attention import load_kernel
 
     assert load_kernel(tmp_path) is not None
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal

@@ -9,12 +9,13 @@ import msgspec
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
-from tandem_engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
+from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, LeaseCounts, LoadSpec
 from tandem_engine.kv_transfer.messages import RemoteDecodeParams, RemotePrefillParams
 from tandem_engine.kv_transfer.nixl_connector import NixlConnectorScheduler
 from tandem_engine.request import Request, RequestStatus
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.scheduler_output import SampledToken, SchedulerOutput
 
 BS = 4
 EOS = 0

@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
-from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS, GGUFLinear
+from tandem_engine.kernels.gguf_matmul import DENSE_FROM_ROWS, GGUFLinear
 from tandem_engine.models.gguf_quantized import load_gguf_quantized
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tests.engine.models.utils import gguf_name, llama_cpp_layout

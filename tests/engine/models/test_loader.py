@@ -215,7 +215,7 @@ def test_complete_cache_is_only_read(first_load: tuple[loader.LoadedModel, int],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A complete cache (with the kernel, as the worker image bakes it, on a read-only volume) is only
     read by a start: nothing in it is created or modified."""
-    from tandem_engine.attention.torch_backend import load_kernel
+    from tandem_engine.kernels.paged_attention import load_kernel
     from tandem_engine.prepare import prepare
 
     prepare(loader.SMOLLM2_ALIAS, cache_dir)

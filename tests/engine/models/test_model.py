@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import TorchAttentionBackend
+from tandem_engine.attention.cpu_backend import CpuAttentionBackend
 from tandem_engine.kernels.fused import load_fused_ops
-from tandem_engine.models.gguf_decode import fuse_decode_steps
 from tandem_engine.models.llama import LlamaForCausalLM
 from tandem_engine.models.registry import get_model_class
+from tandem_engine.worker.decode_step import fuse_decode_steps
 from tests.engine.utils import hf_greedy, kv_caches, make_meta, paged_greedy, tiny_config
 
 BS = 4
@@ -78,7 +78,7 @@ def test_prompt_logits_match_transformers(name: str) -> None:
     spec = ours.kv_cache_spec(ours.config)
     caches = kv_caches(spec.num_layers, 8, BS, spec.num_kv_heads, spec.head_dim, torch.float32)
     meta = make_meta([13], [13], [[5, 2, 7, 1]], BS)
-    got = ours.compute_logits(ours(prompt, torch.arange(13), caches, meta, TorchAttentionBackend()))
+    got = ours.compute_logits(ours(prompt, torch.arange(13), caches, meta, CpuAttentionBackend()))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
@@ -86,14 +86,14 @@ def test_prompt_logits_match_transformers(name: str) -> None:
 @pytest.mark.parametrize("fused", ["none", "kernels", "step"], ids=["torch-ops", "fused-kernels", "fused-step"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_greedy_decode_matches_transformers(name: str, fused: str, kernel_cache: Path) -> None:
-    """fused-step: decode steps in one C call on the float32 panel kernel (models/gguf_decode.py), where the
+    """fused-step: decode steps in one C call on the float32 panel kernel (worker/decode_step.py), where the
     family allows it (not Qwen2's biases or Qwen3's per-head q/k norms)."""
     hf, ours = build_pair(name)
     if fused != "none":
         ours.use_fused_ops(load_fused_ops(kernel_cache))
         assert ours.ops.native or shutil.which(os.environ.get("CC", "cc")) is None
     if fused == "step" and ours.ops.native:
-        backend = TorchAttentionBackend(use_kernel=True, cache_dir=kernel_cache)
+        backend = CpuAttentionBackend(use_kernel=True, cache_dir=kernel_cache)
         why = fuse_decode_steps(ours, backend, torch.float32, kernel_cache)
         assert why == {"qwen2": "a qkv projection with a bias",
                        "qwen3": "q and k are RMS-normalised per head (Qwen3)"}.get(name)

@@ -11,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tandem_engine.kernels.gguf_matmul import GGUFLinear, load_gguf_kernel
 from tandem_engine.models import llama
-from tandem_engine.models.gguf_linear import GGUFLinear, load_gguf_kernel
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import pick_dtype
 from tandem_engine.models.quantization import (

@@ -71,7 +71,7 @@ def test_auto_is_the_model_dtype_and_the_rest_are_literal() -> None:
 def test_bfloat16_cache_serves_close_to_float32_and_returns_every_block(
         fp32: tuple[ModelRunner, GreedyRun], prompts: list[list[int]], loaded: LoadedModel) -> None:
     fp32_runner, fp32_run = fp32
-    core = EngineCore(engine_config("bfloat16"))
+    core = EngineCore(engine_config("bfloat16"), runner=ModelRunner)
     try:
         assert core.runner.kv_pool.dtype == torch.bfloat16
         assert core.runner.kv_pool.element_size() * 2 == fp32_runner.kv_pool.element_size()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
@@ -13,20 +15,42 @@ from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.core.kv_events import AllBlocksCleared, EngineLoad, KVEvent, KVEventBatch, KVEventPublisher
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.core.structured_output import Grammar, GrammarCompiler
+from tandem_engine.kernels.amx_matmul import expects_amx_float32
 from tandem_engine.kv_transfer.factory import make_connector
 from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
 from tandem_engine.kv_transfer.nixl_connector import new_engine_id
-from tandem_engine.models.amx_matmul import expects_amx_float32
-from tandem_engine.models.loader import load_model, pick_dtype, resolve_model, weights_dir
+from tandem_engine.models.loader import LoadedModel, load_model, pick_dtype, resolve_model, weights_dir
 from tandem_engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
-from tandem_engine.worker.model_runner import ModelRunner
+from tandem_engine.scheduler_output import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
+class ModelExecutor(Protocol):
+    """What the engine core asks of the model runner it is given (worker/model_runner.py's ModelRunner)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def kv_dtype_name(self) -> str: ...
+
+    def register_kv_connector(self, connector: KVConnectorWorker) -> None: ...
+
+    def warm_up(self) -> float: ...
+
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]: ...
+
+
+# (config, the loaded model, max_model_len, device) -> the runner that steps it
+RunnerFactory = Callable[[EngineConfig, LoadedModel, int, torch.device], ModelExecutor]
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, *, runner: RunnerFactory) -> None:
+        """`runner` builds the model runner (the process entry point names it: frontend/core_client.py), so
+        that the core depends on what it asks of a runner, not on the worker."""
         t0 = time.perf_counter()
         self.config = config
         self.engine_index = engine_index
@@ -41,7 +65,7 @@ class EngineCore:
         self.dtype = loaded.dtype
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        self.runner = ModelRunner(config, loaded, self.max_model_len, self.device)
+        self.runner = runner(config, loaded, self.max_model_len, self.device)
         if amx and config.onednn_pack and not loaded.model.uses_amx_float32:
             loaded.model.prepack(self.device)  # the kernel did not take the model after all (its step refused)
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pkgutil
 import queue
 import signal
 import threading
@@ -33,6 +34,7 @@ from tandem_engine.protocol import (
 from tandem_engine.request import Request
 
 if TYPE_CHECKING:
+    from tandem_engine.core.engine_core import RunnerFactory
     from tandem_engine.kv_transfer.interface import LeaseCounts  # imports torch, which must load after openmp_env
 
 logger = logging.getLogger(__name__)
@@ -48,9 +50,10 @@ class EngineAddresses:
     handshake: str  # frontend ROUTER (bound): READY / FAILED
 
 
-def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAddresses,
+def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAddresses, runner: str,
                     log_level: int = logging.INFO) -> None:
-    """Process entry point (spawned by the core client)."""
+    """Process entry point (spawned by the core client). `runner`: the model runner class by name
+    (pkgutil.resolve_name), resolved here, once libgomp's environment is set, since it imports torch."""
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s [EngineCore_{engine_index}] %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the frontend owns shutdown, so the engine ignores it.
@@ -73,7 +76,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAd
     proc: EngineCoreProc | None = None
     try:
         try:
-            proc = EngineCoreProc(config, engine_index, addresses, ctx)
+            proc = EngineCoreProc(config, engine_index, addresses, ctx, pkgutil.resolve_name(runner))
         except Exception as e:
             logger.exception("[startup] engine %d failed to start", engine_index)
             handshake.send(encoder.encode(FailedMessage(engine_index, f"{type(e).__name__}: {e}")))
@@ -89,12 +92,12 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: EngineAd
 
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, engine_index: int, addresses: EngineAddresses,
-                 ctx: zmq.Context[Any]) -> None:
+                 ctx: zmq.Context[Any], runner: RunnerFactory) -> None:
         from tandem_engine.core.engine_core import EngineCore
         from tandem_engine.kv_transfer.interface import LeaseCounts
 
         self.engine_index = engine_index
-        self.core = EngineCore(config, engine_index)
+        self.core = EngineCore(config, engine_index, runner=runner)
         # SimpleQueue: its put is safe from a signal handler, which may run while the loop is inside get
         self.input_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.output_queue: queue.Queue[Any] = queue.Queue()

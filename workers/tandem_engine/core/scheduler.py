@@ -13,7 +13,6 @@ import bisect
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tandem_engine.config import KVFailurePolicy, SchedulingPolicy
@@ -22,36 +21,9 @@ from tandem_engine.core.request_queue import make_queue, priority_key
 from tandem_engine.kv_transfer.interface import KVConnectorOutput, KVConnectorScheduler
 from tandem_engine.protocol import EngineCoreOutput, Logprobs, SchedulerStats
 from tandem_engine.request import Request, RequestStatus
+from tandem_engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    start: int  # computed tokens before this step = position of the first scheduled token
-    num_tokens: int
-    block_ids: list[int]
-    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 class Scheduler:

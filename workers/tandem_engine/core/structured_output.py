@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 if TYPE_CHECKING:
     import llguidance
@@ -57,24 +56,6 @@ class Grammar:
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self.matcher, mask, row)
-
-
-def apply_masks(logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
-    """Set to -inf, in place, every logit of `logits` ([rows, vocab]) its row's grammar forbids."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
-        return
-    vocab = logits.shape[1]
-    words = -(-vocab // 32)
-    mask = np.full((len(rows), words), -1, dtype=np.int32)
-    for k, i in enumerate(rows):
-        g = grammars[i]
-        assert g is not None
-        g.fill_mask(mask, k)
-    bits = (torch.from_numpy(mask).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.view(len(rows), words * 32)[:, :vocab].bool()
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 class GrammarCompiler:

@@ -31,8 +31,8 @@ from tandem_engine.entrypoints.tools import (
     parse_tools,
     template_arguments,
     tool_format,
-    tools_template,
 )
+from tandem_engine.frontend.chat_templates import tools_template
 from tandem_engine.frontend.interface import EngineClient, RequestError, TokenCandidate, TokenLogprob
 
 

@@ -13,6 +13,7 @@ import msgspec
 from tandem_engine.config import EngineConfig
 from tandem_engine.cpu_budget import ThreadPlan
 from tandem_engine.frontend.admission import WaitingBound
+from tandem_engine.frontend.chat_templates import tools_template
 from tandem_engine.frontend.core_client import CoreClient
 from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
 from tandem_engine.frontend.metrics import EngineMetrics
@@ -130,8 +131,6 @@ class AsyncLLM(EngineClient):
 
     def tokenizer_spec(self) -> bytes:
         if self._tokenizer_spec is None:  # about 2 MB of JSON: built once, then served as is
-            from tandem_engine.entrypoints.tools import tools_template
-
             self._tokenizer_spec = tokenizer_spec(self.tokenizer, self.model_name, self.config.block_size,
                                                   tools_template(self.model_chat_template()))
         return self._tokenizer_spec

@@ -36,6 +36,10 @@ from tandem_engine.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# The model runner each engine core process steps (named, not imported: it imports torch, which the process
+# must load after setting libgomp's environment).
+RUNNER = "tandem_engine.worker.model_runner:ModelRunner"
+
 
 class EngineStartupError(RuntimeError):
     pass
@@ -94,7 +98,7 @@ class CoreClient:
         self.launched_at = time.perf_counter()
         mp = multiprocessing.get_context("spawn")
         for i in range(self.config.data_parallel_size):
-            p = mp.Process(target=run_engine_core, args=(self.config, i, addresses, logging.getLogger().level),
+            p = mp.Process(target=run_engine_core, args=(self.config, i, addresses, RUNNER, logging.getLogger().level),
                            name=f"EngineCore_{i}", daemon=False)
             p.start()
             self.procs.append(p)

@@ -24,7 +24,7 @@ class TokenizerSpec(msgspec.Struct, kw_only=True):
     chat_template: str | None  # None when the model has no chat template
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: the names the template sees
     # What a conversation with tools (or with calls and results) goes through where the model's own template
-    # does not render tools (entrypoints/tools.py, TOOLS_TEMPLATE); None: the model's.
+    # does not render tools (frontend/chat_templates.py, TOOLS_TEMPLATE); None: the model's.
     tools_chat_template: str | None = None
 
 

@@ -163,7 +163,7 @@ def compile_for_level(name: str, source: str, flags: tuple[str, ...], level: str
 
 def address(lib: ctypes.CDLL, name: str) -> int:
     """Where C function `name` of `lib` is: for a kernel that calls another through a function pointer
-    (models/gguf_decode.c), so that each is built once, with its own flags."""
+    (kernels/decode_step.c), so that each is built once, with its own flags."""
     return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
 
 

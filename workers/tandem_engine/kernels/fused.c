@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "tandem_exp.h"
+#include "tandem_kernels.h"
 
 /* Elements per thread below which a row loop stays on the calling thread. A batch-32 decode step's rows
  * (32 x 576 for a norm, 32 x 1536 for SiLU) take 30-40 us on one core; a second thread saves ~half of that
@@ -27,7 +27,7 @@ static int threads_for(int64_t rows, int64_t n, int n_threads) {
 }
 
 /* One row of tandem_add_rms_norm (delta NULL: no add); an entry point of its own for the fused decode step
- * (models/gguf_decode.c), which shares rows out over its threads itself. */
+ * (kernels/decode_step.c), which shares rows out over its threads itself. */
 void tandem_add_rms_norm_row(float *x, const float *delta, const float *w, float *out, int64_t n, float eps) {
     if (delta)
         for (int64_t i = 0; i < n; i++) x[i] += delta[i];

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tandem_engine.kernels.build import address, base_flags, try_build
 
-_SRC = (Path(__file__).parent / "fused.c").read_text()
+SOURCE = (Path(__file__).parent / "fused.c").read_text()
 
 
 class FusedOps:
@@ -39,7 +39,7 @@ class FusedOps:
 
     @property
     def row_entries(self) -> dict[str, int] | None:
-        """Where the one-row kernels are, for the fused decode step (models/gguf_decode.py); None: torch's ops."""
+        """Where the one-row kernels are, for the fused decode step (worker/decode_step.py); None: torch's ops."""
         if self._lib is None:
             return None
         return {"add_rms_norm_row": address(self._lib, "tandem_add_rms_norm_row"),
@@ -118,13 +118,17 @@ class FusedOps:
 TORCH_OPS = FusedOps()
 
 
-@functools.cache  # one per directory
-def load_fused_ops(cache_dir: Path) -> FusedOps:
-    """The C kernels built (once, cached under `cache_dir`/kernels), or torch's ops if they cannot be."""
+def build_flags() -> tuple[str, ...]:
+    """fused.c's compile flags."""
     # -fno-trapping-math: without it GCC keeps silu_mul's clamps as branches and its loop scalar (the
     # kernel reads no floating-point exception flags); results are the same either way.
     # -mprefer-vector-width=512: GCC's cost model vectorises 8 floats wide even with AVX-512; 16 wide took a
     # 512-token prefill step's SiLU * up from 21 to 14 ms and its norms from 11.6 to 9.6 (the same floats:
     # without -ffast-math every lane does what the scalar loop does). Ignored without AVX-512.
-    flags = (*base_flags(), "-fno-trapping-math", "-mprefer-vector-width=512")
-    return FusedOps(try_build("fused", _SRC, flags, cache_dir, "using torch's norm and activation"))
+    return (*base_flags(), "-fno-trapping-math", "-mprefer-vector-width=512")
+
+
+@functools.cache  # one per directory
+def load_fused_ops(cache_dir: Path) -> FusedOps:
+    """The C kernels built (once, cached under `cache_dir`/kernels), or torch's ops if they cannot be."""
+    return FusedOps(try_build("fused", SOURCE, build_flags(), cache_dir, "using torch's norm and activation"))

@@ -17,8 +17,7 @@ from typing import cast
 
 import torch
 
-from tandem_engine.models.dense_matmul import DenseBlocks
-from tandem_engine.models.gguf_linear import (
+from tandem_engine.kernels.gguf_matmul import (
     DENSE_FROM_ROWS,
     HEAD_DENSE_FROM_ROWS,
     GGUFEmbedding,
@@ -27,6 +26,7 @@ from tandem_engine.models.gguf_linear import (
     QuantizedWeight,
     load_gguf_kernel,
 )
+from tandem_engine.kernels.panel_matmul import DenseBlocks
 from tandem_engine.models.gguf_weights import KERNEL_TYPES, GGUFTensor, read_gguf_tensors
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.quantization import check_supported

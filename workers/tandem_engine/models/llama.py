@@ -15,19 +15,18 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
+from tandem_engine.kernels.amx_matmul import AMX_F32_FROM_ROWS, AmxBlockLinear, AmxKernel, AmxLinear
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
+from tandem_engine.kernels.gguf_matmul import GGUFKernel, GGUFLinear, QuantizedWeight, load_gguf_kernel
+from tandem_engine.kernels.panel_matmul import F32, DenseBlocks, PanelKernel, PanelLinear
 from tandem_engine.models import packed_linear
-from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, AmxBlockLinear, AmxKernel, AmxLinear
-from tandem_engine.models.dense_matmul import F32, DenseBlocks, DenseKernel, PanelLinear
-from tandem_engine.models.gguf_linear import GGUFKernel, GGUFLinear, QuantizedWeight, load_gguf_kernel
 from tandem_engine.models.packed_linear import linear, packing_supported
 from tandem_engine.models.quantization import (
     Q8_0_BLOCK,
@@ -37,6 +36,9 @@ from tandem_engine.models.quantization import (
     int8_on_blocks,
     q8_0_blocks,
 )
+
+if TYPE_CHECKING:  # the model is handed its attention backend; it imports no backend
+    from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def rope_inv_freq(cfg: Any) -> torch.Tensor:
 
 
 class DecodeStep(Protocol):
-    """A whole step in one call (models/gguf_decode.py): the embedded tokens x [T, hidden] through every layer
+    """A whole step in one call (worker/decode_step.py): the embedded tokens x [T, hidden] through every layer
     and the final norm, as the layer loop computes it."""
 
     row_limit: int  # steps of this many rows or more run op by op
@@ -152,10 +154,10 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor | None] = {}
         # Quantized projections replacing the dense ones (`--quantization`), by projection name.
         self.quantized: dict[str, QuantizedLinear] = {}
-        # float32 panel copies of the projections (models/dense_matmul.py), made for fused decode steps; they
-        # also take the op-by-op matmuls of up to DenseKernel.max_rows rows (`use_panels`).
+        # float32 panel copies of the projections (kernels/panel_matmul.py), made for fused decode steps; they
+        # also take the op-by-op matmuls of up to PanelKernel.max_rows rows (`use_panels`).
         self.panels: dict[str, PanelLinear] = {}
-        # AMX copies of a bfloat16 model's projections, for its fused decode steps (models/amx_matmul.py).
+        # AMX copies of a bfloat16 model's projections, for its fused decode steps (kernels/amx_matmul.py).
         self.amx: dict[str, AmxLinear] = {}
         # A float32 model's copies for the float32 AMX kernel, from the GGUF blocks its panels keep: they take
         # the matmuls of AMX_F32_FROM_ROWS rows or more (`use_amx_f32`).
@@ -186,7 +188,7 @@ class DecoderLayer(nn.Module):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.packed.pop(name, None)
 
-    def use_panels(self, kernel: DenseKernel, blocks: dict[str, list[QuantizedWeight]] | None = None,
+    def use_panels(self, kernel: PanelKernel, blocks: dict[str, list[QuantizedWeight]] | None = None,
                    keep_floats: bool = False) -> None:
         """Make the panel copies of the dense projections, from `blocks` where it has a projection's GGUF
         blocks (PanelLinear, with float panels beside them as `keep_floats` says). Matmuls of up to
@@ -349,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
         # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
         self.quantized_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.quantized_head: QuantizedLinear | None = None
-        self.decode_step: DecodeStep | None = None  # runs the decode steps it takes (models/gguf_decode.py)
+        self.decode_step: DecodeStep | None = None  # runs the decode steps it takes (worker/decode_step.py)
         # The GGUF file the dense weights were dequantized from (load_model), whose blocks the decode step's
         # panels keep (use_panels); None for a safetensors checkpoint.
         self.gguf_file: Path | None = None
@@ -411,10 +413,10 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
         return linear(hidden, w, None, self.packed_lm_head).float()
 
-    def use_panels(self, kernel: DenseKernel, blocks: DenseBlocks | None = None,
+    def use_panels(self, kernel: PanelKernel, blocks: DenseBlocks | None = None,
                    keep_floats: bool = False) -> None:
         """Run the dense projections' matmuls of up to `kernel.max_rows` rows, and the head's of any, on float32
-        panel copies (models/dense_matmul.py): for the fused decode step, which runs every projection on them. The head
+        panel copies (kernels/panel_matmul.py): for the fused decode step, which runs every projection on them. The head
         was measured as fast or faster that way from 1 to 64 rows than on each of its other copies, so they
         are freed (their shape becomes [0]). Copies made already are kept. `blocks`: the GGUF blocks the
         weights were dequantized from, which the panels keep instead where they can, with float panels beside
@@ -429,7 +431,7 @@ class LlamaForCausalLM(nn.Module):
             self.packed_lm_head = None
 
     def use_amx(self, kernel: AmxKernel) -> None:
-        """A bfloat16 model on a CPU with AMX: its projections and head on the AMX kernel (models/amx_matmul.py)
+        """A bfloat16 model on a CPU with AMX: its projections and head on the AMX kernel (kernels/amx_matmul.py)
         and everything else in float32 (the norms' weights and the RoPE tables widened from bfloat16, exactly),
         so that only the matmuls' inputs (and the KV cache) are rounded to bfloat16. Idempotent."""
         for layer in self.layers:
@@ -448,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_amx_f32(self, kernel: AmxKernel, blocks: DenseBlocks) -> None:
         """After `use_panels` with `blocks`: float32 AMX copies of the projections and the head whose panels
-        keep their blocks, for matmuls of AMX_F32_FROM_ROWS rows or more (models/amx_matmul.py: float32
+        keep their blocks, for matmuls of AMX_F32_FROM_ROWS rows or more (kernels/amx_matmul.py: float32
         arithmetic, each x split into three bfloat16 parts). Idempotent."""
         for i, layer in enumerate(self.layers):
             cast(DecoderLayer, layer).use_amx_f32(kernel, blocks.layers[i])

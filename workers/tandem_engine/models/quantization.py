@@ -17,7 +17,7 @@ scales give 17.7 (bench/quantization.py).
 Where torch's int8 matmul is slow (an x86 CPU without an int8 dot-product instruction: it ran 20x slower
 than float32 on an AVX2-only EPYC), int8 takes the layout of GGUF's Q8_0 instead: each weight row in
 blocks of 32 int8 values with their own float16 scale, run by the kernels of `--quantization gguf`
-(gguf_linear.py): for a few rows each row of x is quantized to int8 per block of 32 and the block dot
+(gguf_matmul.py): for a few rows each row of x is quantized to int8 per block of 32 and the block dot
 products are integer (AVX2), so a decode step reads 34 bytes per 32 weights; a prefill chunk dequantizes
 the blocks once per call and keeps x in float32. Per block of 32, both roundings are finer than per
 channel and per token.
@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from tandem_engine.models.gguf_linear import BLOCKS, QuantizedWeight
+from tandem_engine.kernels.gguf_matmul import BLOCKS, QuantizedWeight
 
 
 class QuantizedLinear(Protocol):

@@ -16,11 +16,11 @@ import torch
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import EngineConfig
-from tandem_engine.core.scheduler import SampledToken, SchedulerOutput
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
 from tandem_engine.kv_transfer.interface import KVConnectorWorker
-from tandem_engine.models.gguf_decode import DENSE_ROW_LIMIT, fuse_decode_steps
 from tandem_engine.models.loader import LoadedModel, pick_dtype
+from tandem_engine.scheduler_output import SampledToken, SchedulerOutput
+from tandem_engine.worker.decode_step import DENSE_ROW_LIMIT, fuse_decode_steps
 from tandem_engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -45,9 +45,9 @@ def select_backend(config: EngineConfig, device: torch.device) -> AttentionBacke
         from tandem_engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from tandem_engine.attention.torch_backend import TorchAttentionBackend
+    from tandem_engine.attention.cpu_backend import CpuAttentionBackend
 
-    return TorchAttentionBackend(use_kernel=None if config.cpu_attention_kernel else False,
+    return CpuAttentionBackend(use_kernel=None if config.cpu_attention_kernel else False,
                                  cache_dir=config.cache_path)
 
 
@@ -75,7 +75,7 @@ class ModelRunner:
             if step.chunk_row_limit < step.row_limit:
                 rows += f" (with a prefill chunk fewer than {step.chunk_row_limit})"
             logger.info("[startup] steps fused: one C call per step of decode rows and prefill chunks, %s, on %s "
-                        "(models/gguf_decode.py); other steps op by op", rows, step.kind)
+                        "(worker/decode_step.py); other steps op by op", rows, step.kind)
         else:
             logger.info("[startup] steps op by op: %s", why)
         self.num_blocks = self._num_blocks()

@@ -17,13 +17,38 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Protocol
 
+import numpy as np
 import torch
 
-from tandem_engine.core.scheduler import SampledToken
-from tandem_engine.core.structured_output import apply_masks
 from tandem_engine.kernels.fused import TORCH_OPS
 from tandem_engine.request import Request
+from tandem_engine.scheduler_output import SampledToken
+
+
+class TokenMask(Protocol):
+    """A request's grammar as the sampler sees it (core/structured_output.py's Grammar)."""
+
+    def fill_mask(self, mask: np.ndarray, row: int) -> None: ...
+
+
+def apply_masks(logits: torch.Tensor, grammars: list[TokenMask | None]) -> None:
+    """Set to -inf, in place, every logit of `logits` ([rows, vocab]) its row's grammar forbids."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    words = -(-vocab // 32)
+    mask = np.full((len(rows), words), -1, dtype=np.int32)
+    for k, i in enumerate(rows):
+        g = grammars[i]
+        assert g is not None
+        g.fill_mask(mask, k)
+    bits = (torch.from_numpy(mask).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(len(rows), words * 32)[:, :vocab].bool()
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _needs_penalties(req: Request) -> bool:

@@ -1,4 +1,4 @@
-"""The float32 panel matmul of the dense decode step (models/dense_matmul.py) against torch in float64: every
+"""The float32 panel matmul of the dense decode step (kernels/panel_matmul.py) against torch in float64: every
 shape from a single row and column up (partial tiles of rows, partial panels of columns), column ranges
 that cut panels, and the same floats from the AVX-512, AVX2 and portable builds. Panels kept in a GGUF
 file's Q4_1 and Q8_0 blocks against the float panels of the gguf package's dequantization: the same floats,
@@ -13,24 +13,24 @@ import pytest
 import torch
 
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV, build_library, cpu_flags
-from tandem_engine.models.dense_matmul import (
-    _SRC,
+from tandem_engine.kernels.gguf_matmul import QuantizedWeight
+from tandem_engine.kernels.panel_matmul import (
     F32,
     PANEL,
-    DenseKernel,
+    SOURCE,
+    PanelKernel,
     PanelLinear,
-    load_dense_kernel,
+    load_panel_kernel,
     pack_block_panels,
     pack_panels,
 )
-from tandem_engine.models.gguf_linear import QuantizedWeight
-from tests.engine.models.test_gguf_linear import Q4_1, Q8_0, random_weight
+from tests.engine.kernels.test_gguf_matmul import Q4_1, Q8_0, random_weight
 from tests.engine.utils import torch_threads
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> DenseKernel:
-    k = load_dense_kernel(tmp_path_factory.mktemp("dense"))
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> PanelKernel:
+    k = load_panel_kernel(tmp_path_factory.mktemp("dense"))
     assert k is not None
     return k
 
@@ -45,7 +45,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 # tiles of 6 rows (AVX2) or 12 (AVX-512): one row, partial, whole, whole + partial, several
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 11, 12, 13, 25, 32])
 @pytest.mark.parametrize("n,k", [(1, 1), (15, 33), (16, 64), (17, 96), (40, 576), (200, 7)])
-def test_matmul_is_the_product_to_float32_rounding(kernel: DenseKernel, m: int, n: int, k: int) -> None:
+def test_matmul_is_the_product_to_float32_rounding(kernel: PanelKernel, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     got = kernel.matmul(x, pack_panels(w), n)
@@ -54,7 +54,7 @@ def test_matmul_is_the_product_to_float32_rounding(kernel: DenseKernel, m: int, 
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_strided_rows_in_and_out_and_threads_change_nothing(kernel: DenseKernel) -> None:
+def test_strided_rows_in_and_out_and_threads_change_nothing(kernel: PanelKernel) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(70, 64, generator=g)
     panels = pack_panels(w.t().contiguous().t())  # a transposed-storage weight packs the same
@@ -70,7 +70,7 @@ def test_strided_rows_in_and_out_and_threads_change_nothing(kernel: DenseKernel)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_no_rows_or_no_columns_is_an_empty_product(kernel: DenseKernel, threads: int) -> None:
+def test_no_rows_or_no_columns_is_an_empty_product(kernel: PanelKernel, threads: int) -> None:
     """A step whose requests were all aborted samples no rows: the head's matmul of 0 rows is an empty
     [0, n], not a crash (a division by the rows' tile count once killed the engine with SIGFPE); 0 columns
     likewise."""
@@ -89,7 +89,7 @@ def test_panels_are_zero_past_the_last_column() -> None:
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(1, 32), (16, 64), (37, 96), (50, 576)])
-def test_block_panels_unpack_to_the_files_dequantization(kernel: DenseKernel, qtype: int, n: int, k: int) -> None:
+def test_block_panels_unpack_to_the_files_dequantization(kernel: PanelKernel, qtype: int, n: int, k: int) -> None:
     """Weights of magnitudes 1e-4..3 (subnormal fp16 scales among them) and an all-zero row: unpacked block
     panels are the float panels of the gguf package's dequantization, bit for bit."""
     w, ref = random_weight(n, k, qtype, seed=n + k)
@@ -100,7 +100,7 @@ def test_block_panels_unpack_to_the_files_dequantization(kernel: DenseKernel, qt
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_block_panels_compute_the_float_panels_floats(kernel: DenseKernel, qtype: int, threads: int) -> None:
+def test_block_panels_compute_the_float_panels_floats(kernel: PanelKernel, qtype: int, threads: int) -> None:
     """Every row count that takes a different path (none; one row; a lone tile unpacking k in chunks of 64;
     several tiles sharing chunks of 128, or of 256 past 4 tiles' rows), k past one chunk of each and not a
     multiple of it, columns past the last whole panel: the same floats as the float panels."""
@@ -116,7 +116,7 @@ def test_block_panels_compute_the_float_panels_floats(kernel: DenseKernel, qtype
         kernel.matmul(torch.randn(2, 320), blocks, 75)  # block panels called float ones
 
 
-def test_a_panel_linear_keeps_blocks_only_when_they_are_its_weight(kernel: DenseKernel) -> None:
+def test_a_panel_linear_keeps_blocks_only_when_they_are_its_weight(kernel: PanelKernel) -> None:
     """Given the blocks its weight was dequantized from (in parts, as q|k|v are), a PanelLinear keeps them; a
     weight one ulp off anywhere, parts of two types, or blocks of another shape leave it on float panels, and
     every one computes its own weight's product."""
@@ -136,7 +136,7 @@ def test_a_panel_linear_keeps_blocks_only_when_they_are_its_weight(kernel: Dense
         assert torch.equal(lin(x), PanelLinear(w, kernel)(x))
 
 
-def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: DenseKernel) -> None:
+def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: PanelKernel) -> None:
     """The fused step's entry points: x copied into its buffer 32 values at a time, then any range of
     columns (runs start on panels, a head's columns need not)."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -173,7 +173,7 @@ def test_column_ranges_cutting_panels_are_the_whole_matmul(kernel: DenseKernel) 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="the vector path needs AVX2 and FMA")
 @pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
-def test_every_build_computes_the_same_floats(kernel: DenseKernel, march: str, tmp_path: Path,
+def test_every_build_computes_the_same_floats(kernel: PanelKernel, march: str, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The portable build (x86-64-v2: a scalar loop of fmaf) and the AVX2 one (x86-64-v3) against this
     CPU's (AVX-512 where it has it): each output is the same chain of fused multiply-adds in k order in
@@ -181,7 +181,7 @@ def test_every_build_computes_the_same_floats(kernel: DenseKernel, march: str, t
     monkeypatch.setenv(KERNEL_MARCH_ENV, march)
     from tandem_engine.kernels.build import base_flags
 
-    other = DenseKernel(build_library("dense_matmul", _SRC, base_flags(), tmp_path))
+    other = PanelKernel(build_library("panel_matmul", SOURCE, base_flags(), tmp_path))
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(31, 200, generator=g), torch.randn(37, 200, generator=g)
     panels = pack_panels(w)

@@ -23,18 +23,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tandem_engine.kernels.build import address, base_flags, build_library
 
 # ggml type id -> (weights per block, bytes per block)
-BLOCKS = {3: (32, 20), 8: (32, 34)}  # Q4_1, Q8_0
+# (weights, bytes) of a block of each type the kernels read, as the gguf package has them (ggml's type ids;
+# tandem_kernels.h declares the same blocks).
+BLOCKS = {int(t): GGML_QUANT_SIZES[t] for t in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)}
 # From this many rows on, dequantize-then-GEMM beats the kernel on SmolLM2's projections (one thread,
 # CPU time: the kernel ahead at 16 rows, even at 24, behind at 32); `bench/vs_llama_cpp.py --parts kernel`
 # measures it. The head's 49,152 rows cost more to write out: the kernel stays ahead to 32 rows there.
 DENSE_FROM_ROWS = 24
 HEAD_DENSE_FROM_ROWS = 48
 
-_SRC = (Path(__file__).parent / "gguf_matmul.c").read_text()
+SOURCE = (Path(__file__).parent / "gguf_matmul.c").read_text()
 # -ffp-contract=off: dequantization rounds d * q and + m separately, as the gguf package does.
 # Without FMA contraction, so that `dequantize` equals the gguf package's bit for bit.
 _PORTABLE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -79,7 +82,7 @@ class GGUFKernel:
         self.xq8_bytes = lib.tandem_gguf_xq8_bytes  # (m, k) -> bytes of m rows of k quantized
         self.xq8_bytes.argtypes = [i64, i64]
         self.xq8_bytes.restype = i64
-        # matmul_q8's two halves, for the fused decode step (gguf_decode.py) to call from its own threads
+        # matmul_q8's two halves, for the fused decode step (decode_step.py) to call from its own threads
         self.entries = {"quantize": address(lib, "tandem_gguf_quantize_x"),
                         "matmul_cols": address(lib, "tandem_gguf_matmul_q8_cols")}
         self._dequantize = lib.tandem_gguf_dequantize
@@ -139,14 +142,20 @@ class GGUFKernel:
         return self._scratch[:numel]
 
 
+def build_flags(portable: bool = False) -> tuple[str, ...]:
+    """gguf_matmul.c's compile flags: for this CPU (or the ISA level kernels build for), or portable (no
+    -march: the scalar path the tests hold the SIMD ones to)."""
+    return _PORTABLE_FLAGS if portable else (*base_flags(), "-ffp-contract=off")
+
+
 @functools.cache  # one build per directory and variant
 def load_gguf_kernel(cache_dir: Path, portable: bool = False) -> GGUFKernel:
     """Build (cached under `cache_dir`/kernels; kernels/build.py) and load the kernel: for this CPU (or
     `TANDEM_CPU_KERNEL_MARCH`'s ISA level), or the portable build without SIMD (`portable`). RuntimeError
     naming the flag when the C compiler cannot."""
-    flags = _PORTABLE_FLAGS if portable else (*base_flags(), "-ffp-contract=off")
+    flags = build_flags(portable)
     try:
-        return GGUFKernel(build_library("gguf_matmul" + "_portable" * portable, _SRC, flags, cache_dir))
+        return GGUFKernel(build_library("gguf_matmul" + "_portable" * portable, SOURCE, flags, cache_dir))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         raise RuntimeError(f"--quantization gguf needs its C kernel, built with the system C compiler and "

@@ -21,11 +21,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "tandem_kernels.h"
+
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512F__)
-#error "amx_matmul.c needs AMX-BF16 and AVX-512 (amx_matmul.py's amx_flags)"
+#error "amx_matmul.c needs AMX-BF16 and AVX-512 (amx_matmul.py's build_flags)"
 #endif
 
-#define NR 16        /* output columns of a panel */
+#define NR PANEL_NR  /* output columns of a panel */
 #define KT 32        /* steps in k of a tile */
 #define TILE_B 1024  /* bytes of a weight tile: 16 rows of 64 */
 
@@ -60,21 +62,12 @@ static void load_config(void) { _tile_loadconfig(&CONFIG); }
  * stored), and a cache line of slack. */
 int64_t tandem_amx_x_bytes(int64_t m, int64_t k) { return ((m + 15) / 16 * 16) * k * 2 + 64; }
 
-/* float32 to bfloat16, rounded to nearest even as torch rounds; NaN as 0x7fc0. 16 at a time. */
-static inline __m256i to_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 /* Blocks [i0, i1) of 32 values of x [m, k] (row stride ldx; block i is row i / (k / 32), values
  * i % (k / 32) * 32 on) into the buffer as bfloat16 row tiles: the tile of rows 16 t.. and values 32 j.. is
  * the buffer's (t * k / 32 + j)-th 1 KB, a row of it 64 bytes, so that a tile load reads 1 KB in order (16
  * rows k * 2 bytes apart were 16 separate streams for the prefetcher). The fused decode step's "quantize"
- * entry (gguf_decode.c), for k a multiple of 32. */
+ * entry (decode_step.c), for k a multiple of 32. */
 void tandem_amx_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
     (void)m;
     const int64_t nb = k / KT;
@@ -83,8 +76,8 @@ void tandem_amx_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_
         const int64_t r = i / nb, j = i % nb, c = j * KT;
         const float *src = x + r * ldx + c;
         uint16_t *dst = out + ((r / 16 * nb + j) * 16 + r % 16) * KT;
-        _mm256_storeu_si256((__m256i *)dst, to_bf16(_mm512_loadu_ps(src)));
-        _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16(_mm512_loadu_ps(src + 16)));
+        _mm256_storeu_si256((__m256i *)dst, f32x16_to_bf16(_mm512_loadu_ps(src)));
+        _mm256_storeu_si256((__m256i *)(dst + 16), f32x16_to_bf16(_mm512_loadu_ps(src + 16)));
     }
 }
 
@@ -103,7 +96,7 @@ void tandem_amx_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_
     } while (0)
 
 /* Output columns [c0, c1) of y [m, ldy] for the m rows of the bf16 buffer xb (row stride k), over the packed
- * panels w; c0 a multiple of 16 (of 32 where the runs are cut: gguf_decode.c's col_align), n the weight's
+ * panels w; c0 a multiple of 16 (of 32 where the runs are cut: decode_step.c's col_align), n the weight's
  * columns. Tiles of up to 16 rows by two panels; a run's last panel may be alone. */
 static void cols(const uint16_t *xb, int64_t m, const uint8_t *w, int64_t k, int64_t c0, int64_t c1, float *y,
                  int64_t ldy) {
@@ -166,7 +159,7 @@ static void cols(const uint16_t *xb, int64_t m, const uint8_t *w, int64_t k, int
     _tile_release();
 }
 
-/* The fused decode step's "matmul_cols" entry (gguf_decode.c): columns [i0, i1) of y for the m rows that
+/* The fused decode step's "matmul_cols" entry (decode_step.c): columns [i0, i1) of y for the m rows that
  * tandem_amx_copy_x put in buf. qtype is not read (the panels are bfloat16). */
 void tandem_amx_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
                             float *y, int64_t ldy) {
@@ -217,7 +210,6 @@ void tandem_amx_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
  * them, the float32 sums of x over each block, [rows padded to 16][k / 32]. */
 
 #define BLK_B (TILE_B + 2 * NR * 4)
-#define Q4_1 3
 
 int64_t tandem_amx_f32_x_bytes(int64_t m, int64_t k) {
     const int64_t rows = (m + 15) / 16 * 16;
@@ -228,17 +220,17 @@ static inline __m512 widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_e
 
 /* 16 values of x into their three bfloat16 parts at p (hi), p + 512 (mid), p + 1024 (lo), in uint16s. */
 static inline void split3(__m512 v, uint16_t *p) {
-    const __m256i hi = to_bf16(v);
+    const __m256i hi = f32x16_to_bf16(v);
     const __m512 r1 = _mm512_sub_ps(v, widen(hi));
-    const __m256i mid = to_bf16(r1);
-    const __m256i lo = to_bf16(_mm512_sub_ps(r1, widen(mid)));
+    const __m256i mid = f32x16_to_bf16(r1);
+    const __m256i lo = f32x16_to_bf16(_mm512_sub_ps(r1, widen(mid)));
     _mm256_storeu_si256((__m256i *)p, hi);
     _mm256_storeu_si256((__m256i *)(p + 512), mid);
     _mm256_storeu_si256((__m256i *)(p + 1024), lo);
 }
 
 /* Blocks [i0, i1) of 32 values of x [m, k] (block i is row i / (k / 32), values i % (k / 32) * 32 on) split
- * into the buffer, with their sums. The fused decode step's "quantize" entry (gguf_decode.c). */
+ * into the buffer, with their sums. The fused decode step's "quantize" entry (decode_step.c). */
 void tandem_amx_f32_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
     const int64_t nb = k / KT, rows = (m + 15) / 16 * 16;
     uint16_t *out = (uint16_t *)buf;
@@ -369,7 +361,7 @@ static void f32_cols(const uint8_t *buf, int64_t m, int64_t r0, int64_t r1, cons
     _tile_release();
 }
 
-/* The fused decode step's "matmul_cols" entry (gguf_decode.c): columns [i0, i1) of y for the m rows that
+/* The fused decode step's "matmul_cols" entry (decode_step.c): columns [i0, i1) of y for the m rows that
  * tandem_amx_f32_copy_x split into buf; qtype the panels' blocks' (Q4_1 or Q8_0). */
 void tandem_amx_f32_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0,
                                 int64_t i1, float *y, int64_t ldy) {
@@ -377,7 +369,7 @@ void tandem_amx_f32_matmul_cols(const void *buf, int64_t m, const uint8_t *w, in
 }
 
 /* The fused step's "matmul_rows" entry: rows [r0, r1) and columns [i0, i1) of y, the rows of a prefill step
- * a block at a time (gguf_decode.c, project_runs). */
+ * a block at a time (decode_step.c, project_runs). */
 void tandem_amx_f32_matmul_rows(const void *buf, int64_t m, int64_t r0, int64_t r1, const uint8_t *w, int qtype,
                                 int64_t k, int64_t i0, int64_t i1, float *y, int64_t ldy) {
     if (r0 < r1 && i0 < i1) f32_cols((const uint8_t *)buf, m, r0, r1, w, qtype == Q4_1, k, i0, i1, y, ldy);

@@ -1,4 +1,4 @@
-/* tandem's float32 matmul for the dense path's decode steps (see dense_matmul.py, which builds this with
+/* tandem's float32 matmul for the dense path's decode steps (see panel_matmul.py, which builds this with
  * kernels/build.py and calls it through ctypes; docs/architecture.md, "Dense decode steps in one call").
  *
  * y [m, n] = x [m, k] @ w [n, k]^T with w packed once into panels of NR = 16 output columns,
@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tandem_kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VECTOR 512
@@ -33,11 +35,11 @@
 #define MR 6
 #endif
 
-#define NR 16 /* output columns of a panel */
+#define NR PANEL_NR /* output columns of a panel */
 
 /* Panels of weights kept in a GGUF file's blocks (the qtype argument, ggml's type ids) instead of floats: the
  * same [ceil(n / 16)] panels of 16 output columns, each a run of k / 32 block panels, one per block of 32
- * weights along k, each holding the 16 columns' blocks of that stretch of k (models/dense_matmul.py,
+ * weights along k, each holding the 16 columns' blocks of that stretch of k (kernels/panel_matmul.py,
  * pack_block_panels):
  *   Q4_1 (320 bytes): 16 fp16 d, 16 fp16 m, then 16 rows of 16 bytes, row i byte c the i-th byte of column c's
  *        block (its low nibble the weight at k = i, its high nibble the one at k = i + 16);  w = d * q + m
@@ -46,22 +48,27 @@
  * float panels. d * q is exact in float32 (11 significant bits times at most 8), so unpacking gives the very
  * floats the file's dequantization does (gguf.quants, which the dense model is loaded from: d * q, then + m) and
  * every output is the float the float panels give; the engine checks this of every projection when it packs
- * them (tandem_dense_unpack). Why: a decode step otherwise streams every float32 weight from memory, 4 bytes,
+ * them (tandem_panel_unpack). Why: a decode step otherwise streams every float32 weight from memory, 4 bytes,
  * where the blocks are 0.625 (Q4_1) and 1.06 (Q8_0). */
-enum { F32 = 0, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
-#define QK 32                          /* weights of a block along k */
 
-int64_t tandem_dense_block_bytes(int qtype) { return qtype == Q4_1 ? 320 : qtype == Q8_0 ? 544 : 0; }
+int64_t tandem_panel_block_bytes(int qtype) {
+    return qtype == Q4_1 ? (int64_t)sizeof(panel_q4_1) : qtype == Q8_0 ? (int64_t)sizeof(panel_q8_0) : 0;
+}
+
+/* Where a block panel's fields lie (panel_q4_1, panel_q8_0). */
+#define P4(p) ((const panel_q4_1 *)(p))
+#define P8(p) ((const panel_q8_0 *)(p))
+_Static_assert(offsetof(panel_q8_0, d) == 0 && offsetof(panel_q4_1, d) == 0, "d leads every block panel");
 
 /* One block panel at src as floats, out [QK][NR]. */
 static void unpack_block(const uint8_t *src, int qtype, float *out) {
 #if VECTOR == 512
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
     if (qtype == Q4_1) {
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 32)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)P4(src)->m));
         const __m128i low = _mm_set1_epi8(0x0F);
         for (int i = 0; i < QK / 2; i++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 64 + 16 * i));
+            const __m128i b = _mm_loadu_si128((const __m128i *)P4(src)->qs[i]);
             const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
             const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
             _mm512_storeu_ps(out + i * NR, _mm512_fmadd_ps(q0, d, mn)); /* d * q exact: one rounding either way */
@@ -69,19 +76,19 @@ static void unpack_block(const uint8_t *src, int qtype, float *out) {
         }
     } else {
         for (int i = 0; i < QK; i++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 32 + 16 * i));
+            const __m128i b = _mm_loadu_si128((const __m128i *)P8(src)->qs[i]);
             _mm512_storeu_ps(out + i * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d));
         }
     }
 #elif VECTOR == 256 && defined(__F16C__)
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)),
-                 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)));
+                 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(P8(src)->d + 8)));
     if (qtype == Q4_1) {
-        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 32))),
-                     m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 48)));
+        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)P4(src)->m)),
+                     m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(P4(src)->m + 8)));
         const __m128i low = _mm_set1_epi8(0x0F);
         for (int i = 0; i < QK / 2; i++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 64 + 16 * i));
+            const __m128i b = _mm_loadu_si128((const __m128i *)P4(src)->qs[i]);
             const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
             float *o = out + i * NR, *o2 = out + (i + QK / 2) * NR;
             _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0, m0));
@@ -91,24 +98,22 @@ static void unpack_block(const uint8_t *src, int qtype, float *out) {
         }
     } else {
         for (int i = 0; i < QK; i++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(src + 32 + 16 * i));
+            const __m128i b = _mm_loadu_si128((const __m128i *)P8(src)->qs[i]);
             _mm256_storeu_ps(out + i * NR, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d0));
             _mm256_storeu_ps(out + i * NR + 8,
                              _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d1));
         }
     }
 #else
-    _Float16 h[2 * NR];
-    memcpy(h, src, qtype == Q4_1 ? sizeof h : sizeof h / 2);
     for (int c = 0; c < NR; c++) {
-        const float d = (float)h[c], mn = qtype == Q4_1 ? (float)h[NR + c] : 0.0f;
+        const float d = f16_to_f32(P8(src)->d[c]), mn = qtype == Q4_1 ? f16_to_f32(P4(src)->m[c]) : 0.0f;
         for (int i = 0; i < QK; i++) {
             float w;
             if (qtype == Q4_1) {
-                const uint8_t b = src[64 + 16 * (i % 16) + c];
+                const uint8_t b = P4(src)->qs[i % 16][c];
                 w = fmaf((float)(i < 16 ? b & 15 : b >> 4), d, mn);
             } else {
-                w = (float)(int8_t)src[32 + 16 * i + c] * d;
+                w = (float)P8(src)->qs[i][c] * d;
             }
             out[i * NR + c] = w;
         }
@@ -122,7 +127,7 @@ static void unpack_block(const uint8_t *src, int qtype, float *out) {
 #define CHUNK 64 /* steps in k unpacked at a time: two panels' are 8 KB, which stay in L1 */
 static inline void unpack_chunk(const uint8_t *bp, int qtype, int np, int64_t k, int64_t k0, int64_t kn, float *out,
                                 int64_t stride, int64_t ahead) {
-    const int64_t bb = tandem_dense_block_bytes(qtype), panel = k / QK * bb;
+    const int64_t bb = tandem_panel_block_bytes(qtype), panel = k / QK * bb;
     for (int j = 0; j < np; j++)
         for (int64_t i = 0; i < kn; i += QK) {
             const uint8_t *blk = bp + j * panel + (k0 + i) / QK * bb;
@@ -139,17 +144,17 @@ static inline void unpack_chunk(const uint8_t *bp, int qtype, int np, int64_t k,
 /* Rows [0, mr) of x (row stride ldx) times np adjacent panels from wp ([np][k][NR]; np is 2 only in the
  * AVX-512 build) or, if bp is not NULL, from the block panels at bp, unpacked CHUNK steps in k at a time into
  * a buffer that stays in L1 (requesting their bytes `ahead` further on: unpack_chunk); columns [lo, hi) of
- * the np * NR go to y[r * ldy + c] (y points at the first panel's first column). Unless pf is NULL, every
- * pf_every-th step in k also requests a cache line into L2, one after the other from pf (and as many from
- * pf + k * NR in the AVX-512 build's second panel). The sums start from zero, or with acc_in from what y
+ * the np * NR go to y[r * ldy + c] (y points at the first panel's first column). Unless prefetch is NULL, every
+ * prefetch_every-th step in k also requests a cache line into L2, one after the other from prefetch (and as many from
+ * prefetch + k * NR in the AVX-512 build's second panel). The sums start from zero, or with acc_in from what y
  * holds (a tile's earlier steps in k, stored there by a call over them). mr and np are constants in each copy
  * (tile_rows). The floats are the same whichever panels hold the weights, and however k is cut into chunks
  * or calls. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *wp,
                                                        const uint8_t *bp, int qtype, int64_t ahead, int64_t k,
                                                        float *y, int64_t ldy, const int mr, const int np, int lo,
-                                                       int hi, const float *pf, const int pf_every, int acc_in) {
-    int pf_count = 0;
+                                                       int hi, const float *prefetch, const int prefetch_every, int acc_in) {
+    int prefetch_count = 0;
     _Alignas(64) float chunk[2 * CHUNK * NR];
     const int64_t kc = bp ? CHUNK : k; /* steps in k per pass */
 #define CHUNK_START                                                                      \
@@ -177,11 +182,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     CHUNK_START
     for (int64_t i = 0; i < kn; i++) {
         const __m512 b0 = _mm512_loadu_ps(w0 + i * NR), b1 = np == 2 ? _mm512_loadu_ps(w1 + i * NR) : b0;
-        if (pf && ++pf_count == pf_every) {
-            pf_count = 0;
-            _mm_prefetch((const char *)pf, _MM_HINT_T1);
-            if (np == 2) _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T1);
-            pf += NR;
+        if (prefetch && ++prefetch_count == prefetch_every) {
+            prefetch_count = 0;
+            _mm_prefetch((const char *)prefetch, _MM_HINT_T1);
+            if (np == 2) _mm_prefetch((const char *)(prefetch + k * NR), _MM_HINT_T1);
+            prefetch += NR;
         }
 #define FMA(r)                                                        \
     if (mr > r) {                                                     \
@@ -217,10 +222,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     (void)w1;
     for (int64_t i = 0; i < kn; i++) {
         const __m256 b0 = _mm256_loadu_ps(w0 + i * NR), b1 = _mm256_loadu_ps(w0 + i * NR + 8);
-        if (pf && ++pf_count == pf_every) {
-            pf_count = 0;
-            _mm_prefetch((const char *)pf, _MM_HINT_T1);
-            pf += NR;
+        if (prefetch && ++prefetch_count == prefetch_every) {
+            prefetch_count = 0;
+            _mm_prefetch((const char *)prefetch, _MM_HINT_T1);
+            prefetch += NR;
         }
 #define FMA(r)                                                        \
     if (mr > r) {                                                     \
@@ -249,9 +254,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         ROWS(STORE_PART)
     }
 #else
-    (void)pf;
-    (void)pf_every;
-    (void)pf_count;
+    (void)prefetch;
+    (void)prefetch_every;
+    (void)prefetch_count;
     float acc[MR][NR] = {{0}};
     for (int r = 0; acc_in && r < mr; r++)
         for (int c = lo; c < hi; c++) acc[r][c] = y[r * ldy + c];
@@ -269,15 +274,15 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 
 #if VECTOR == 512
 #define PANELS 2 /* panels a tile reads: 24 sums, two panel loads and a broadcast (of 32 registers) */
-#define TILE(mr) np == 2 ? tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 2, lo, hi, pf, pf_every, acc_in) \
-                         : tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every, acc_in)
+#define TILE(mr) np == 2 ? tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 2, lo, hi, prefetch, prefetch_every, acc_in) \
+                         : tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, prefetch, prefetch_every, acc_in)
 #else
 #define PANELS 1
-#define TILE(mr) tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, pf, pf_every, acc_in)
+#define TILE(mr) tile(x, ldx, wp, bp, qtype, ahead, k, y, ldy, mr, 1, lo, hi, prefetch, prefetch_every, acc_in)
 #endif
 
 static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_t *bp, int qtype, int64_t ahead,
-                      int64_t k, float *y, int64_t ldy, int mr, int np, int lo, int hi, const float *pf, int pf_every,
+                      int64_t k, float *y, int64_t ldy, int mr, int np, int lo, int hi, const float *prefetch, int prefetch_every,
                       int acc_in) {
     (void)np;
     switch (mr) {
@@ -338,7 +343,7 @@ static void tile_rows(const float *x, int64_t ldx, const float *wp, const uint8_
 static inline __attribute__((always_inline)) void row_blocks(const float *x, const uint8_t *bp, int qtype,
                                                              int64_t k, const int np, float *y, int lo, int hi,
                                                              int64_t ahead) {
-    const int64_t bb = tandem_dense_block_bytes(qtype), panel = k / QK * bb;
+    const int64_t bb = tandem_panel_block_bytes(qtype), panel = k / QK * bb;
     const __m128i low = _mm_set1_epi8(0x0F);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < k / QK; b++) {
@@ -349,7 +354,7 @@ static inline __attribute__((always_inline)) void row_blocks(const float *x, con
             if (ahead)
                 for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk[j] + ahead + l), _MM_HINT_T1);
             d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[j]));
-            mn[j] = qtype == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[j] + 32))) : d[j];
+            mn[j] = qtype == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)P4(blk[j])->m)) : d[j];
         }
         const float *xb = x + b * QK;
         if (qtype == Q4_1) {
@@ -357,7 +362,7 @@ static inline __attribute__((always_inline)) void row_blocks(const float *x, con
                 for (int i = 0; i < QK / 2; i++) {
                     const __m512 a = _mm512_set1_ps(xb[half * (QK / 2) + i]);
                     for (int j = 0; j < np; j++) {
-                        __m128i q = _mm_loadu_si128((const __m128i *)(blk[j] + 64 + 16 * i));
+                        __m128i q = _mm_loadu_si128((const __m128i *)P4(blk[j])->qs[i]);
                         q = _mm_and_si128(half ? _mm_srli_epi16(q, 4) : q, low);
                         const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d[j], mn[j]);
                         acc[j] = _mm512_fmadd_ps(a, w, acc[j]);
@@ -367,7 +372,7 @@ static inline __attribute__((always_inline)) void row_blocks(const float *x, con
             for (int i = 0; i < QK; i++) {
                 const __m512 a = _mm512_set1_ps(xb[i]);
                 for (int j = 0; j < np; j++) {
-                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk[j] + 32 + 16 * i));
+                    const __m128i q = _mm_loadu_si128((const __m128i *)P8(blk[j])->qs[i]);
                     acc[j] = _mm512_fmadd_ps(a, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d[j]), acc[j]);
                 }
             }
@@ -386,7 +391,7 @@ static void cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtyp
     if (m <= 0) return; /* no rows (a step that samples none): nothing to compute, and no tiles to share lines */
     const int64_t tiles = (m + MR - 1) / MR, lines = (k + tiles - 1) / tiles; /* of each next panel, per tile */
     const int blocks = qtype != F32;
-    const int64_t panel_bytes = k / QK * tandem_dense_block_bytes(qtype);
+    const int64_t panel_bytes = k / QK * tandem_panel_block_bytes(qtype);
     for (int64_t p = c0 / NR, np; p * NR < c1; p += np) {
         np = PANELS == 2 && (p + 1) * NR < c1 ? 2 : 1;
         const int lo = (int)(c0 > p * NR ? c0 - p * NR : 0), hi = (int)(c1 < (p + np) * NR ? c1 - p * NR : np * NR);
@@ -435,21 +440,21 @@ static void cols(const float *x, int64_t ldx, int64_t m, const void *w, int qtyp
 
 /* Block panels as float panels: `panels` panels of k from w into out [panels][k][NR] (for the engine's check
  * that they are the float weights, and the tests). */
-void tandem_dense_unpack(const uint8_t *w, int qtype, int64_t panels, int64_t k, float *out) {
-    for (int64_t p = 0; p < panels; p++) unpack_chunk(w + p * (k / QK) * tandem_dense_block_bytes(qtype), qtype, 1, k, 0, k,
+void tandem_panel_unpack(const uint8_t *w, int qtype, int64_t panels, int64_t k, float *out) {
+    for (int64_t p = 0; p < panels; p++) unpack_chunk(w + p * (k / QK) * tandem_panel_block_bytes(qtype), qtype, 1, k, 0, k,
                                                       out + p * k * NR, k, 0);
 }
 
 /* Output columns a tile covers: runs of columns starting on multiples of this take whole tiles. */
-int tandem_dense_tile_cols(void) { return PANELS * NR; }
+int tandem_panel_tile_cols(void) { return PANELS * NR; }
 
 /* Bits of the vectors this build computes in (512, 256, or 0: the scalar loop). */
-int tandem_dense_vector_bits(void) { return VECTOR; }
+int tandem_panel_vector_bits(void) { return VECTOR; }
 
-/* The fused decode step's entry points (models/gguf_decode.c, kernels_t), in the int8 kernel's shape:
+/* The fused decode step's entry points (kernels/decode_step.c, kernels_t), in the int8 kernel's shape:
  * `quantize` copies blocks [i0, i1) of 32 values of x [m, k] (row stride ldx, k a multiple of 32) into buf as
  * [m, k] floats; `matmul_cols` computes columns [i0, i1) of y from that copy over the panels w (qtype: F32 or block panels). */
-void tandem_dense_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
+void tandem_panel_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf) {
     (void)m;
     const int64_t nb = k / 32;
     for (int64_t i = i0; i < i1; i++) {
@@ -458,7 +463,7 @@ void tandem_dense_copy_x(const float *x, int64_t ldx, int64_t m, int64_t k, int6
     }
 }
 
-void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
+void tandem_panel_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
                               float *y, int64_t ldy) {
     cols((const float *)buf, k, m, w, qtype, k, i0, i1, y, ldy);
 }
@@ -469,10 +474,10 @@ void tandem_dense_matmul_cols(const void *buf, int64_t m, const uint8_t *w, int 
  * descheduled thread's runs are still done). A tile's prefetch of the next panels (cols) only helps when the
  * same thread computes them: handed out tile by tile, the neighbour was mostly the other thread's and the
  * head at 32 rows ran at 172 GFLOP/s in a decode step. The fused step hands out its columns the same way
- * (gguf_decode.c, take_near). */
+ * (decode_step.c, take_near). */
 #define RUNS_PER_THREAD 8
 #define MAX_SHARES 64
-void tandem_dense_matmul(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t n, int64_t k,
+void tandem_panel_matmul(const float *x, int64_t ldx, int64_t m, const void *w, int qtype, int64_t n, int64_t k,
                          float *y, int64_t ldy, int threads) {
     if (m <= 0 || n <= 0) return;
     if (threads > MAX_SHARES) threads = MAX_SHARES;

@@ -1,4 +1,4 @@
-"""The AMX matmuls (models/amx_matmul.py) against torch.
+"""The AMX matmuls (kernels/amx_matmul.py) against torch.
 
 The bfloat16 kernel of a bfloat16 model: the panel layout the tile product reads, x rounded to bfloat16
 exactly as torch rounds it (ties, NaN, infinities, subnormals), and the product of the rounded x and the
@@ -21,7 +21,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from tandem_engine.models.amx_matmul import (
+from tandem_engine.kernels.amx_matmul import (
     BLOCK_PANEL_BYTES,
     K_TILE,
     PANEL,
@@ -36,9 +36,9 @@ from tandem_engine.models.amx_matmul import (
     pack_amx,
     pack_amx_blocks,
 )
-from tandem_engine.models.gguf_linear import QuantizedWeight
-from tests.engine.models.test_dense_matmul import reference
-from tests.engine.models.test_gguf_decode import edge_values
+from tandem_engine.kernels.gguf_matmul import QuantizedWeight
+from tests.engine.kernels.test_decode_step import edge_values
+from tests.engine.kernels.test_panel_matmul import reference
 from tests.engine.utils import torch_threads
 
 needs_amx = pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import _KERNEL_SRC, KERNEL_MATH_FLAGS, load_kernel
 from tandem_engine.kernels import build
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
-from tests.engine.attention.test_torch_attention import CASES, run_step
+from tandem_engine.kernels.paged_attention import KERNEL_MATH_FLAGS, SOURCE, load_kernel
+from tests.engine.attention.test_cpu_attention import CASES, run_step
 from tests.engine.utils import read_only
 
 
@@ -94,8 +94,8 @@ def test_no_build_calls_math_whose_floats_depend_on_the_vector_width(target: str
     disagree with the x86-64-v3 build. Compiled (not run) for each ISA level and tuning: the object calls no
     libm function and holds no approximate reciprocal, so a CPU this machine is not still meets the rule."""
     src = tmp_path / "paged_attention.c"
-    src.write_text(_KERNEL_SRC)
-    for header, text in build.local_headers(_KERNEL_SRC).items():
+    src.write_text(SOURCE)
+    for header, text in build.local_headers(SOURCE).items():
         (tmp_path / header).write_text(text)
     obj = tmp_path / "k.o"
     subprocess.run([os.environ.get("CC", "cc"), "-O3", "-fopenmp", *KERNEL_MATH_FLAGS, *TARGETS[target], "-fPIC",
@@ -144,15 +144,15 @@ def test_read_only_cache_dir_builds_under_the_temp_dir(tmp_path: Path, monkeypat
 
 def test_a_shared_header_is_built_with_the_source_and_keys_its_build(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel's quoted #include names a header in kernels/ (tandem_exp.h): the build finds it, and a
+    """A kernel's quoted #include names a header in kernels/ (tandem_kernels.h): the build finds it, and a
     changed header builds a new shared object instead of loading one built from the old text."""
-    source = '#include "tandem_exp.h"\nfloat e(float x) { return exp_small(x); }\n'
+    source = '#include "tandem_kernels.h"\nfloat e(float x) { return exp_small(x); }\n'
     lib = build.build_library("exp_check", source, build.base_flags(), tmp_path)
     lib.e.argtypes, lib.e.restype = [ctypes.c_float], ctypes.c_float
     assert lib.e(1.0) == pytest.approx(math.e, rel=1e-6)
     assert lib.e(-20.0) == pytest.approx(math.exp(-20.0), rel=1e-6)
     real = build.local_headers(source)
-    assert list(real) == ["tandem_exp.h"]
+    assert list(real) == ["tandem_kernels.h"]
     monkeypatch.setattr(build, "local_headers", lambda src: {n: t + "\n/* changed */\n" for n, t in real.items()})
     build.build_library("exp_check", source, build.base_flags(), tmp_path)
     assert len(list((tmp_path / "kernels").glob("exp_check_*.so"))) == 2
@@ -175,7 +175,7 @@ def test_an_image_listing_two_levels_holds_kernels_for_each_and_every_node_finds
 
     cpu(V3_FLAGS)  # the CPU that builds the image: AVX2
     assert build.kernel_march() == "x86-64-v3"
-    source = _KERNEL_SRC
+    source = SOURCE
     flags = (*build.base_flags(), *KERNEL_MATH_FLAGS)
     with build.recording() as built:
         build.build_library("paged_attention", source, flags, tmp_path)
@@ -194,3 +194,70 @@ def test_an_image_listing_two_levels_holds_kernels_for_each_and_every_node_finds
     cpu({"sse2"})
     with pytest.raises(OSError, match="lacks"):
         build.build_library("paged_attention", source, (*build.base_flags(), *KERNEL_MATH_FLAGS), image)
+
+
+KERNELS_DIR = Path(build.__file__).parent
+
+
+def _kernels() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every C kernel the engine builds: (source, flags) by name, as its wrapper builds it."""
+    from tandem_engine.kernels import amx_matmul, decode_step, fused, gguf_matmul, paged_attention, panel_matmul
+
+    found = {m.__name__.rsplit(".", 1)[1]: (m.SOURCE, m.build_flags())
+             for m in (amx_matmul, decode_step, fused, gguf_matmul, paged_attention, panel_matmul)}
+    found["gguf_matmul_portable"] = (gguf_matmul.SOURCE, gguf_matmul.build_flags(portable=True))
+    return found
+
+
+def test_every_kernel_source_is_in_kernels_and_has_a_wrapper() -> None:
+    sources = {p.stem for p in KERNELS_DIR.glob("*.c")}
+    assert sources == {name for name in _kernels() if not name.endswith("_portable")}
+    assert not list(KERNELS_DIR.parent.glob("[!k]*/*.c")), "C kernels live in kernels/"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which(os.environ.get("CC", "cc")) is None,
+                    reason="needs an x86-64 C compiler")
+@pytest.mark.parametrize("level", ["native", "x86-64-v3"])
+def test_every_kernel_compiles_without_a_warning(level: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-Wall -Wextra -Werror over each kernel with its own flags, for this CPU and for the image's lowest ISA
+    level (compiled, not run: this CPU may lack it), with the entry points' prototypes from tandem_kernels.h
+    in scope, so that a definition that drifts from its declaration fails here."""
+    if level == "native":
+        monkeypatch.delenv(KERNEL_MARCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KERNEL_MARCH_ENV, level)
+    kernels = _kernels()
+    for name, (source, _) in kernels.items():
+        assert '#include "tandem_kernels.h"' in source, f"{name} does not include the shared header"
+        (tmp_path / f"{name}.c").write_text(source)
+    (tmp_path / "tandem_kernels.h").write_text((KERNELS_DIR / "tandem_kernels.h").read_text())
+
+    def compile_one(name: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+        flags = kernels[name][1]
+        cmd = [os.environ.get("CC", "cc"), *flags, "-Wall", "-Wextra", "-Werror", "-fPIC", "-c",
+               str(tmp_path / f"{name}.c"), "-o", str(tmp_path / f"{name}.o")]
+        return name, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        failed = {name: proc.stderr[-2000:] for name, proc in pool.map(compile_one, kernels) if proc.returncode}
+    assert not failed, failed
+
+
+def test_the_headers_type_ids_and_blocks_are_ggml_s(tmp_path: Path) -> None:
+    """The ids and block sizes tandem_kernels.h declares are the gguf package's (Python's one source)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    source = '#include "tandem_kernels.h"\n' + "".join(
+        f"int64_t id_{n}(void) {{ return {n}; }}\n" for n in ("F32", "F16", "Q4_1", "Q8_0")) + "".join(
+        f"int64_t bytes_{n}(void) {{ return block_bytes({n}); }}\n" for n in ("Q4_1", "Q8_0"))
+    lib = build.build_library("type_ids", source, build.base_flags(), tmp_path)
+    for n in ("F32", "F16", "Q4_1", "Q8_0"):
+        fn = getattr(lib, f"id_{n}")
+        fn.restype = ctypes.c_int64
+        assert fn() == int(T[n]), n
+    for n in ("Q4_1", "Q8_0"):
+        fn = getattr(lib, f"bytes_{n}")
+        fn.restype = ctypes.c_int64
+        assert (32, fn()) == GGML_QUANT_SIZES[T[n]], n

@@ -1,4 +1,4 @@
-"""The fused decode step of `--quantization gguf` (models/gguf_decode.py) against the op-by-op path it stands
+"""The fused decode step of `--quantization gguf` (worker/decode_step.py) against the op-by-op path it stands
 in for: the same logits and KV cache bit for bit on a tiny GGUF model (sequences from one token to a dozen
 blocks of context over scattered blocks, on one thread and on more threads than cores), which steps it
 takes and why it leaves the others, and the same greedy tokens through the engine and on the real SmolLM2
@@ -21,19 +21,22 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from tandem_engine.attention.torch_backend import KERNEL_KV_TYPES, TorchAttentionBackend
+from tandem_engine.attention.cpu_backend import CpuAttentionBackend
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.engine_core import EngineCore
+from tandem_engine.kernels.amx_matmul import AmxBlockLinear, amx_unfit
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
+from tandem_engine.kernels.decode_step import load_decode_kernel
 from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
-from tandem_engine.models import gguf_decode, packed_linear
+from tandem_engine.kernels.gguf_matmul import DENSE_FROM_ROWS
+from tandem_engine.kernels.paged_attention import KERNEL_KV_TYPES
+from tandem_engine.kernels.panel_matmul import FLOAT_PANELS_FROM_ROWS, load_panel_kernel
 from tandem_engine.models import llama as llama_module
-from tandem_engine.models.amx_matmul import AmxBlockLinear, amx_unfit
-from tandem_engine.models.dense_matmul import FLOAT_PANELS_FROM_ROWS, load_dense_kernel
-from tandem_engine.models.gguf_decode import FusedDecodeStep, fuse_decode_steps, load_decode_kernel
-from tandem_engine.models.gguf_linear import DENSE_FROM_ROWS
+from tandem_engine.models import packed_linear
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
+from tandem_engine.worker import decode_step
+from tandem_engine.worker.decode_step import DecodeStep, fuse_decode_steps
 from tandem_engine.worker.greedy_probe import greedy_decode, logprob_drift
 from tandem_engine.worker.model_runner import ModelRunner
 from tests.engine.models.utils import TINY, tiny_weights, write_tiny_gguf
@@ -53,13 +56,13 @@ def tiny_gguf(path: Path, proj: GGMLQuantizationType) -> Path:
 
 @pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 def tiny(request: pytest.FixtureRequest,
-         tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, TorchAttentionBackend, Path]:
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, CpuAttentionBackend, Path]:
     """The tiny model served from its blocks with every C kernel, decode steps fused."""
     tmp = tmp_path_factory.mktemp("tiny")
     path = tiny_gguf(tmp / "tiny.gguf", request.param)
     model = load_model(resolve_model(str(path), tmp), torch.float32, quantization="gguf").model
     model.use_fused_ops(load_fused_ops(tmp))
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    backend = CpuAttentionBackend(use_kernel=True, cache_dir=tmp)
     assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
     return model, backend, tmp
 
@@ -78,7 +81,7 @@ def caches_for(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> C
     return kv_caches(spec.num_layers, 64, BS, spec.num_kv_heads, spec.head_dim, dtype)
 
 
-def step_both_ways(model: LlamaForCausalLM, backend: TorchAttentionBackend, ids: torch.Tensor,
+def step_both_ways(model: LlamaForCausalLM, backend: CpuAttentionBackend, ids: torch.Tensor,
                    positions: torch.Tensor, meta: Any, fused: Caches, ref: Caches,
                    same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """One step, which the fused step takes, run fused over `fused` and op by op over `ref`: `same` holds for
@@ -93,7 +96,7 @@ def step_both_ways(model: LlamaForCausalLM, backend: TorchAttentionBackend, ids:
             same(a, b)
 
 
-def decode_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int, kv: torch.dtype,
+def decode_against_op_by_op(model: LlamaForCausalLM, backend: CpuAttentionBackend, threads: int, kv: torch.dtype,
                             same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """Prompts of one token to 12 blocks over scattered blocks, then three decode steps, each run fused and
     op by op on a copy of the cache: `same` holds for their logits and for every cache."""
@@ -121,14 +124,14 @@ def bit_for_bit(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the 2 cores CI has, some descheduled
 def test_fused_steps_give_the_op_by_op_logits_and_cache(
-        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+        tiny: tuple[LlamaForCausalLM, CpuAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
     """Over a 16-bit cache too (--kv-cache-dtype): the step rounds K and V into it as torch's .to() does, and
     reads it as the op-by-op kernel reads it."""
     model, backend, _ = tiny
     decode_against_op_by_op(model, backend, threads, kv, bit_for_bit)
 
 
-def chunks_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int, kv: torch.dtype,
+def chunks_against_op_by_op(model: LlamaForCausalLM, backend: CpuAttentionBackend, threads: int, kv: torch.dtype,
                             same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """Steps with prefill chunks in them, each run fused and op by op on a copy of the cache: `same` holds for
     the logits of every row and for every cache. Over scattered blocks, A's 13-token prompt comes in two
@@ -156,7 +159,7 @@ def chunks_against_op_by_op(model: LlamaForCausalLM, backend: TorchAttentionBack
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_fused_steps_with_prefill_chunks_give_the_op_by_op_logits_and_cache(
-        tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+        tiny: tuple[LlamaForCausalLM, CpuAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
     """A prefill chunk's rows attend in the fused step through the tiled prefill kernel's work items, handed
     out by the step's own threads: the floats of the op-by-op path, which calls that kernel whole."""
     model, backend, _ = tiny
@@ -164,13 +167,13 @@ def test_fused_steps_with_prefill_chunks_give_the_op_by_op_logits_and_cache(
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, TorchAttentionBackend, Path]:
+def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, CpuAttentionBackend, Path]:
     """The tiny model in float32 without --quantization, every C kernel on, decode steps fused."""
     tmp = tmp_path_factory.mktemp("dense")
     path = write_tiny_gguf(tmp / "tiny.gguf", tiny_weights())
     model = load_model(resolve_model(str(path), tmp), torch.float32).model
     model.use_fused_ops(load_fused_ops(tmp))
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    backend = CpuAttentionBackend(use_kernel=True, cache_dir=tmp)
     assert fuse_decode_steps(model, backend, torch.float32, tmp) is None
     return model, backend, tmp
 
@@ -184,10 +187,10 @@ def test_int8_on_q8_0_blocks_runs_its_decode_steps_fused(tmp_path: Path, monkeyp
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
     model = load_model(resolve_model(str(path), tmp_path), torch.float32, quantization="int8").model
     model.use_fused_ops(load_fused_ops(tmp_path))
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp_path)
+    backend = CpuAttentionBackend(use_kernel=True, cache_dir=tmp_path)
     assert fuse_decode_steps(model, backend, torch.float32, tmp_path) is None
     step = model.decode_step
-    assert isinstance(step, FusedDecodeStep) and step.kind == "int8 GGUF matmuls"
+    assert isinstance(step, DecodeStep) and step.kind == "int8 GGUF matmuls"
     decode_against_op_by_op(model, backend, 1, torch.float32, bit_for_bit)
     chunks_against_op_by_op(model, backend, 1, torch.float32, bit_for_bit)
 
@@ -195,13 +198,13 @@ def test_int8_on_q8_0_blocks_runs_its_decode_steps_fused(tmp_path: Path, monkeyp
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
-        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
+        dense: tuple[LlamaForCausalLM, CpuAttentionBackend, Path], threads: int, kv: torch.dtype) -> None:
     """The fused dense step runs its projections on the panel kernel, op by op runs oneDNN or MKL: the same
     sums in another order, so the same values to a few float32 roundings (a 16-bit cache may round a value
     the other way: one unit of its last place)."""
     model, backend, _ = dense
     step = model.decode_step
-    assert isinstance(step, FusedDecodeStep)
+    assert isinstance(step, DecodeStep)
     assert step.kind == f"float32 panel matmuls, weights in {4 * TINY['layers'] + 1} float32 panels"  # an F32 file
     decode_against_op_by_op(model, backend, threads, kv, to_float_rounding)
     chunks_against_op_by_op(model, backend, threads, kv, to_float_rounding)
@@ -209,7 +212,7 @@ def test_dense_fused_steps_agree_with_op_by_op_to_float_rounding(
 
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory: pytest.TempPathFactory,
-                ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
+                ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, CpuAttentionBackend]:
     """The tiny model in bfloat16 three ways: on AMX (`use_amx`, decode steps fused), op by op in bfloat16
     (what every CPU ran before, and one without AMX runs), and its bfloat16 weights in a float32 model (exact:
     every bfloat16 is a float32), op by op."""
@@ -225,27 +228,27 @@ def bf16_models(tmp_path_factory: pytest.TempPathFactory,
             wide.get_parameter(name).copy_(t.float())
     for m in (amx, plain, wide):
         m.use_fused_ops(ops)
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    backend = CpuAttentionBackend(use_kernel=True, cache_dir=tmp)
     assert fuse_decode_steps(amx, backend, torch.bfloat16, tmp) is None
     return amx, plain, wide, backend
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_bfloat16_on_amx_fused_steps_agree_with_its_op_by_op_steps(
-        bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend],
+        bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, CpuAttentionBackend],
         threads: int) -> None:
     """On AMX both paths compute in float32 around the same bfloat16 matmuls: the same values to a few float32
     roundings, and the bfloat16 cache to one unit of its last place."""
     amx, _, _, backend = bf16_models
     step = amx.decode_step
-    assert isinstance(step, FusedDecodeStep) and step.kind == "bfloat16 AMX matmuls"
+    assert isinstance(step, DecodeStep) and step.kind == "bfloat16 AMX matmuls"
     assert amx.act_dtype == torch.float32 and all(
         cast(DecoderLayer, layer).qkv_weight.numel() == 0 for layer in amx.layers)  # the panels replaced them
     decode_against_op_by_op(amx, backend, threads, torch.bfloat16, to_float_rounding)
 
 
 def test_bfloat16_on_amx_stays_closer_to_float32_than_bfloat16_op_by_op(
-        bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]) -> None:
+        bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM, CpuAttentionBackend]) -> None:
     """It rounds only the matmul inputs and the KV cache to bfloat16 where torch's bfloat16 ops round every
     intermediate: against the same weights computed in float32, over a prefill and three decode steps, its
     logits are nearer, and the two bfloat16 paths agree to bfloat16 rounding."""
@@ -273,15 +276,15 @@ def test_bfloat16_on_amx_stays_closer_to_float32_than_bfloat16_op_by_op(
 
 @pytest.fixture(scope="module", params=[Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 def dense_trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               ) -> tuple[list[LlamaForCausalLM], LlamaForCausalLM, TorchAttentionBackend]:
+               ) -> tuple[list[LlamaForCausalLM], LlamaForCausalLM, CpuAttentionBackend]:
     """The tiny model with its projections in `param` blocks and a tied Q8_0 embedding, served dense three
     times: its panels kept in the file's blocks, without float panels beside them and with them (for steps of
     FLOAT_PANELS_FROM_ROWS rows or more, whatever the CPU); and in float32 (the model not told which file it
     came from)."""
     tmp = tmp_path_factory.mktemp("dense_blocks")
     path = tiny_gguf(tmp / "tiny.gguf", request.param)
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
-    kernel = load_dense_kernel(tmp)  # this directory's, which PanelLinear asks whether float panels pay
+    backend = CpuAttentionBackend(use_kernel=True, cache_dir=tmp)
+    kernel = load_panel_kernel(tmp)  # this directory's, which PanelLinear asks whether float panels pay
     assert kernel is not None
     models = []
     for keep_blocks, keep_floats in ((True, False), (True, True), (False, False)):
@@ -296,7 +299,7 @@ def dense_trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return models[:2], models[2], backend
 
 
-def run_steps(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: int) -> list[torch.Tensor]:
+def run_steps(model: LlamaForCausalLM, backend: CpuAttentionBackend, threads: int) -> list[torch.Tensor]:
     """A prefill of five prompts (one token to 12 blocks) over scattered blocks and three decode steps: every
     step's logits, then every cache."""
     lens, steps = [1, 6, 13, 30, 45], 3
@@ -321,7 +324,7 @@ def run_steps(model: LlamaForCausalLM, backend: TorchAttentionBackend, threads: 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_dense_panels_kept_in_the_files_blocks_give_the_same_floats(
-        dense_trio: tuple[list[LlamaForCausalLM], LlamaForCausalLM, TorchAttentionBackend], threads: int) -> None:
+        dense_trio: tuple[list[LlamaForCausalLM], LlamaForCausalLM, CpuAttentionBackend], threads: int) -> None:
     """Served dense, a GGUF model's panels keep the file's blocks (a fifth or a quarter of the bytes a decode
     step streams), and may keep float panels beside them for steps of FLOAT_PANELS_FROM_ROWS rows or more
     (here the prefill of 95 rows; the decode steps of 5 rows read the blocks): the prefill's small matmuls,
@@ -332,9 +335,9 @@ def test_dense_panels_kept_in_the_files_blocks_give_the_same_floats(
     n = 4 * TINY["layers"]
     kinds = f"{n} Q4_1, 1 Q8_0" if qtype == int(Q4_1) else f"{n + 1} Q8_0"
     kind = f"float32 panel matmuls, weights in {kinds} panels"
-    assert cast(FusedDecodeStep, blocks.decode_step).kind == kind
-    assert cast(FusedDecodeStep, both.decode_step)._models[0][0] == FLOAT_PANELS_FROM_ROWS
-    assert cast(FusedDecodeStep, both.decode_step).kind == \
+    assert cast(DecodeStep, blocks.decode_step).kind == kind
+    assert cast(DecodeStep, both.decode_step)._models[0][0] == FLOAT_PANELS_FROM_ROWS
+    assert cast(DecodeStep, both.decode_step).kind == \
         f"{kind}; from {FLOAT_PANELS_FROM_ROWS} rows float32 panel matmuls over the same weights in float32 panels"
     assert blocks.panel_head.qtype == int(Q8_0) and blocks.panel_head.floats is None
     assert blocks.panel_head.panels.nbytes * 3 < floats.panel_head.panels.nbytes
@@ -352,13 +355,13 @@ def test_no_cpu_float_panels_keeps_the_blocks_alone(tmp_path: Path, monkeypatch:
     """Where float panels pay (forced here, whatever the CPU), an engine keeps them beside the blocks for steps
     of FLOAT_PANELS_FROM_ROWS rows or more; `--no-cpu-float-panels` keeps the blocks alone."""
     path = tiny_gguf(tmp_path / "tiny.gguf", Q4_1)
-    kernel = load_dense_kernel(tmp_path)
+    kernel = load_panel_kernel(tmp_path)
     assert kernel is not None
     monkeypatch.setattr(kernel, "floats_pay", True)
 
     def model(**kw: Any) -> LlamaForCausalLM:
         core = EngineCore(EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path), block_size=BS,
-                                       num_kv_blocks=64, cpu_amx_float32=False, **kw))
+                                       num_kv_blocks=64, cpu_amx_float32=False, **kw), runner=ModelRunner)
         core.shutdown()
         return core.runner.model
 
@@ -367,7 +370,7 @@ def test_no_cpu_float_panels_keeps_the_blocks_alone(tmp_path: Path, monkeypatch:
         panels = [p for layer in m.layers for p in cast(DecoderLayer, layer).panels.values()]
         assert m.panel_head is not None and all(p.qtype == int(Q4_1) for p in panels)
         assert all((p.floats is not None) == on for p in [*panels, m.panel_head])
-        assert ("; from 16 rows float32 panel matmuls" in cast(FusedDecodeStep, m.decode_step).kind) == on
+        assert ("; from 16 rows float32 panel matmuls" in cast(DecodeStep, m.decode_step).kind) == on
 
 
 def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
@@ -381,7 +384,7 @@ def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
     model = load_model(resolve_model(str(path), tmp_path), torch.float32).model
     model.use_fused_ops(load_fused_ops(tmp_path))
     with caplog.at_level(logging.WARNING):
-        assert fuse_decode_steps(model, TorchAttentionBackend(use_kernel=True, cache_dir=tmp_path), torch.float32,
+        assert fuse_decode_steps(model, CpuAttentionBackend(use_kernel=True, cache_dir=tmp_path), torch.float32,
                                  tmp_path) is None
     layer = cast(DecoderLayer, model.layers[0])
     assert {name: p.qtype for name, p in layer.panels.items()} == {"qkv": 0, "o": 3, "gate_up": 3, "down": 3}
@@ -391,12 +394,12 @@ def test_blocks_a_projection_cannot_keep_leave_it_float_panels(tmp_path: Path,
 
 @pytest.fixture(scope="module")
 def amx_pair(tmp_path_factory: pytest.TempPathFactory,
-             ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend]:
+             ) -> tuple[LlamaForCausalLM, LlamaForCausalLM, CpuAttentionBackend]:
     """The tiny model in Q4_1 blocks served dense twice: with the float32 AMX kernel (--cpu-amx-float32, the
     default) and without."""
     tmp = tmp_path_factory.mktemp("amx_f32")
     path = tiny_gguf(tmp / "tiny.gguf", Q4_1)
-    backend = TorchAttentionBackend(use_kernel=True, cache_dir=tmp)
+    backend = CpuAttentionBackend(use_kernel=True, cache_dir=tmp)
     models = []
     for amx in (True, False):
         model = load_model(resolve_model(str(path), tmp), torch.float32).model
@@ -409,15 +412,15 @@ def amx_pair(tmp_path_factory: pytest.TempPathFactory,
 @pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")
 @pytest.mark.parametrize("threads", [1, 3])
 def test_float32_amx_takes_the_matmuls_of_32_rows_and_more(
-        amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int,
+        amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, CpuAttentionBackend], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With AMX, a float32 model from a GGUF file runs its fused steps of 32 rows or more (a prefill, decode
     steps) on the float32 AMX kernel, fewer rows on the panels: logits and cache within float32 rounding of
     the panels' everywhere, and the 40-row decode step not bit for bit the panels' (so the kernel did run)."""
     amx, panels, backend = amx_pair
-    step = cast(FusedDecodeStep, amx.decode_step)
+    step = cast(DecodeStep, amx.decode_step)
     assert step.kind.endswith("; from 32 rows float32 AMX matmuls over the same blocks")
-    assert cast(FusedDecodeStep, panels.decode_step).kind.endswith(" panels")
+    assert cast(DecodeStep, panels.decode_step).kind.endswith(" panels")
     for layer in amx.layers:
         layer = cast(DecoderLayer, layer)
         assert set(layer.amx_f32) == {"qkv", "o", "gate_up", "down"}
@@ -470,14 +473,14 @@ def test_float32_amx_takes_the_matmuls_of_32_rows_and_more(
 @pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")
 @pytest.mark.parametrize("threads", [1, 3])
 def test_float32_amx_steps_cut_into_row_blocks_give_the_uncut_floats(
-        amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, TorchAttentionBackend], threads: int,
+        amx_pair: tuple[LlamaForCausalLM, LlamaForCausalLM, CpuAttentionBackend], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of many rows on the float32 AMX kernel runs its projections a block of rows at a time once the
-    rows' split x passes its C model table's row_block_bytes (gguf_decode.c, row_block). Each row's sums are
+    rows' split x passes its C model table's row_block_bytes (decode_step.c, row_block). Each row's sums are
     the same ones in any block, so prefills and a step of decode rows with new prompts, cut into blocks of 16
     to 32 rows (some partial), give the uncut step's logits and cache bit for bit."""
     amx, _, backend = amx_pair
-    step = cast(FusedDecodeStep, amx.decode_step)
+    step = cast(DecodeStep, amx.decode_step)
     c_model = step._models[0][1]  # the AMX kernel's table: steps of 32 rows and more
     whole = c_model.row_block_bytes
     assert step._models[0][0] == 32 and whole > 0
@@ -518,7 +521,7 @@ def to_float_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def test_a_second_runner_over_the_same_model_fuses_again(
-        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
+        dense: tuple[LlamaForCausalLM, CpuAttentionBackend, Path]) -> None:
     """A second ModelRunner over weights already loaded (bench/kv_cache_dtype.py's probe does this) fuses
     its decode steps again: the panel copies made by the first are kept, since the plain weights they
     replaced are gone."""
@@ -532,7 +535,7 @@ def test_a_second_runner_over_the_same_model_fuses_again(
 
 
 def test_op_by_op_matmuls_past_the_panel_kernels_row_limit_run_on_onednn(
-        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        dense: tuple[LlamaForCausalLM, CpuAttentionBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Op by op (prefill chunks, mixed steps) a projection runs on its panels up to the kernel's row limit
     (96 rows on the AVX-512 build, where oneDNN is ahead from 128 on; 512 on AVX2) and on its oneDNN copy
     past it, with the same values either way."""
@@ -556,11 +559,11 @@ def test_op_by_op_matmuls_past_the_panel_kernels_row_limit_run_on_onednn(
 
 
 def test_dense_steps_with_prefill_chunks_run_fused_only_where_the_panels_are_the_faster_matmul(
-        dense: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
+        dense: tuple[LlamaForCausalLM, CpuAttentionBackend, Path]) -> None:
     """Without the float32 AMX kernel, a step with a prefill chunk runs fused up to the panel kernel's row limit
     (past it op by op runs oneDNN, faster there); decode steps of any size still run fused."""
     model, _, _ = dense
-    step = cast(FusedDecodeStep, model.decode_step)
+    step = cast(DecodeStep, model.decode_step)
     limit = cast(DecoderLayer, model.layers[0]).panels["o"].kernel.max_rows + 1
     assert step.chunk_row_limit == limit
     caches = kv_caches(TINY["layers"], 256, BS, TINY["kv_heads"], TINY["hidden"] // TINY["heads"], torch.float32)
@@ -578,10 +581,10 @@ def test_dense_steps_with_prefill_chunks_run_fused_only_where_the_panels_are_the
     assert step.refusal(make_meta([1] * limit, [3] * limit, tables, BS), caches) is None
 
 
-def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAttentionBackend, Path]) -> None:
+def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, CpuAttentionBackend, Path]) -> None:
     model, backend, tmp = tiny
     step, caches = model.decode_step, caches_for(model)
-    assert isinstance(step, FusedDecodeStep) and step.row_limit == DENSE_FROM_ROWS == 24
+    assert isinstance(step, DecodeStep) and step.row_limit == DENSE_FROM_ROWS == 24
 
     def decode(rows: int) -> Any:
         return make_meta([1] * rows, [5] * rows, [[1, 2]] * rows, BS)
@@ -597,7 +600,7 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
     # Once per engine, at start-up: what rules the fused step out for good.
     assert fuse_decode_steps(model, backend, torch.float64, tmp) == (
         "a float64 KV cache (--kv-cache-dtype; fused: float32, bfloat16, float16)")
-    assert fuse_decode_steps(model, TorchAttentionBackend(use_kernel=False), torch.float32, tmp) == (
+    assert fuse_decode_steps(model, CpuAttentionBackend(use_kernel=False), torch.float32, tmp) == (
         "the C attention kernel is off (--no-cpu-attention-kernel, or no C compiler)")
     ops, model.ops = model.ops, TORCH_OPS
     try:
@@ -614,7 +617,7 @@ def test_which_steps_run_fused_and_why_not(tiny: tuple[LlamaForCausalLM, TorchAt
     bf16 = LlamaForCausalLM(model.config, torch.bfloat16)
     bf16.use_fused_ops(model.ops)
     with pytest.MonkeyPatch.context() as mp:  # a CPU without AMX
-        mp.setattr(gguf_decode, "amx_unfit", lambda: "the CPU lacks amx_bf16 amx_tile")
+        mp.setattr(decode_step, "amx_unfit", lambda: "the CPU lacks amx_bf16 amx_tile")
         assert fuse_decode_steps(bf16, backend, torch.bfloat16, tmp) == (
             "a bfloat16 model, and the CPU lacks amx_bf16 amx_tile (fused in bfloat16: AMX-BF16)")
     assert model.decode_step is step and half.decode_step is None and bf16.decode_step is None
@@ -645,7 +648,7 @@ def test_keys_and_values_round_into_a_16_bit_cache_as_torch_rounds(
     assert lib is not None
     x = edge_values()
     out = torch.zeros(x.numel() + 3, dtype=kv)
-    lib.tandem_gguf_store_kv(ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(3), ctypes.c_void_p(x.data_ptr()),
+    lib.tandem_decode_step_store_kv(ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(3), ctypes.c_void_p(x.data_ptr()),
                              ctypes.c_int64(x.numel()), ctypes.c_int64(KERNEL_KV_TYPES[kv]))
     want = x.to(kv)
     assert torch.equal(out[3:].view(torch.int16), want.view(torch.int16)), (
@@ -663,7 +666,7 @@ def test_the_engine_packs_for_onednn_only_where_the_float32_amx_kernel_does_not_
 
     def model(**kw: Any) -> LlamaForCausalLM:
         core = EngineCore(EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path), block_size=BS,
-                                       num_kv_blocks=64, **kw))
+                                       num_kv_blocks=64, **kw), runner=ModelRunner)
         core.shutdown()
         return core.runner.model
 
@@ -686,16 +689,17 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
 
     def engine(**kw: Any) -> EngineCore:
         return EngineCore(EngineConfig(model=str(path), quantization="gguf", cache_dir=str(tmp_path), block_size=BS,
-                                       num_kv_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False, **kw))
+                                       num_kv_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False, **kw),
+                          runner=ModelRunner)
 
     fused_calls = []
-    real_call = FusedDecodeStep.__call__
+    real_call = DecodeStep.__call__
 
-    def counted(self: FusedDecodeStep, *args: Any) -> torch.Tensor:
+    def counted(self: DecodeStep, *args: Any) -> torch.Tensor:
         fused_calls.append(args[0].shape[0])
         return real_call(self, *args)
 
-    monkeypatch.setattr(FusedDecodeStep, "__call__", counted)
+    monkeypatch.setattr(DecodeStep, "__call__", counted)
     prompts = [[5, 6, 7], list(range(10, 40)), [200] * 9, list(range(50, 63))]
     with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
         core = engine()

@@ -1,5 +1,5 @@
 /* A whole step of a Llama-family model, under --quantization gguf or on the dense float32 path, in one
- * OpenMP parallel region (see gguf_decode.py, which builds it with kernels/build.py and calls it through
+ * OpenMP parallel region (see decode_step.py, which builds it with kernels/build.py and calls it through
  * ctypes; docs/architecture.md, "One C call per step" and "Dense decode steps in one call"). Its rows are
  * decode rows (one new token of a sequence) and the rows of prefill chunks (several new tokens of one).
  *
@@ -10,8 +10,8 @@
  * chunk's earlier tokens.
  * The work itself is the other kernels' code, reached through function pointers (kernels_t): a matmul in
  * two halves (quantize x, then a range of output columns: gguf_matmul.c's int8 kernel, or
- * dense_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c, and
- * attention/paged_attention.c's head-range attention of a decode row and work items of its tiled prefill
+ * panel_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c, and
+ * kernels/paged_attention.c's head-range attention of a decode row and work items of its tiled prefill
  * attention, each built with its own flags; so under gguf the step computes the op-by-op path's floats. What
  * this file adds is the threading, RoPE and the cache writes.
  *
@@ -29,6 +29,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "tandem_kernels.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PAUSE() _mm_pause()
@@ -36,7 +38,6 @@
 #define PAUSE() ((void)0)
 #endif
 
-#define QK 32 /* values per quantized block */
 /* Pauses a thread spins at a barrier before it yields: a few tens of microseconds, longer than a balanced
  * phase's stragglers take, short next to a time slice lost to a descheduled peer. */
 #define SPINS 2000
@@ -52,28 +53,20 @@ typedef struct {
     const float *post_attn_norm, *next_norm; /* [hidden]; next: the next layer's input norm, or the final norm */
 } layer_t;
 
-typedef struct { /* entry points of the other kernels (see the file comment) */
-    void (*quantize)(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t i0, int64_t i1, void *buf);
-    void (*matmul_cols)(const void *buf, int64_t m, const uint8_t *w, int qtype, int64_t k, int64_t i0, int64_t i1,
-                        float *y, int64_t ldy);
-    void (*add_rms_norm_row)(float *x, const float *delta, const float *w, float *out, int64_t n, float eps);
-    void (*silu_mul_row)(const float *g, const float *u, float *out, int64_t n);
-    void (*attention_heads)(const float *q, const void *kc, const void *vc, int kv_type, const int32_t *table,
-                            int64_t klen, float *out, float *scratch, int nq, int nkv, int d, int bs, float scale,
-                            int h0, int h1);
+typedef struct { /* entry points of the other kernels (see the file comment; their types: tandem_kernels.h) */
+    tandem_split_x_fn *quantize;
+    tandem_matmul_cols_fn *matmul_cols;
+    tandem_add_rms_norm_row_fn *add_rms_norm_row;
+    tandem_silu_mul_row_fn *silu_mul_row;
+    tandem_attention_heads_fn *attention_heads;
     /* the n-th of `items` work items of the tiled causal attention of prefill chunks */
-    void (*prefill_attention_item)(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
-                                   const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
-                                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
-                                   float *out, int nq, int nkv, int d, int bs, float scale, int64_t items, int64_t n,
-                                   float *buf);
+    tandem_prefill_attention_item_fn *prefill_attention_item;
     /* NULL, or matmul_cols for rows [r0, r1) only (r0 a multiple of 16): then a step of many rows runs its
      * projections a block of rows at a time (row_block) */
-    void (*matmul_rows)(const void *buf, int64_t m, int64_t r0, int64_t r1, const uint8_t *w, int qtype, int64_t k,
-                        int64_t i0, int64_t i1, float *y, int64_t ldy);
+    tandem_matmul_rows_fn *matmul_rows;
 } kernels_t;
 
-typedef struct {
+typedef struct tandem_step_model {
     kernels_t k;
     const layer_t *layers;
     int64_t n_layers, hidden, inter, nq, nkv, d;
@@ -84,7 +77,7 @@ typedef struct {
     int64_t row_block_bytes; /* cut rows into blocks whose split x is at most this (row_block; q|k|v: twice) */
 } model_t;
 
-typedef struct {
+typedef struct tandem_step {
     int64_t m;                                 /* rows: one per new token */
     float *x, *h;                              /* [m, hidden]: the residual stream (updated in place), and
                                                   x through the final norm (written) */
@@ -105,12 +98,12 @@ typedef struct {
                                                   time to (as thread 0 sees it, its wait at the barrier
                                                   included): bench/profile_step.py */
     /* Prefill chunks (sequences of more than one new token), whose rows attend through the tiled prefill
-     * kernel: per chunk, its row of the block table pf_table, its first row, its rows and its tokens in all
-     * (cached ones and these); pf_items: that kernel's work items for them all (0: none). */
-    int64_t pf_items;
-    const int64_t *pf_seq_ids, *pf_q_starts, *pf_q_lens, *pf_seq_lens;
-    const int32_t *pf_table;
-    int64_t pf_table_stride;
+     * kernel: per chunk, its row of the block table prefill_table, its first row, its rows and its tokens in all
+     * (cached ones and these); prefill_items: that kernel's work items for them all (0: none). */
+    int64_t prefill_items;
+    const int64_t *prefill_seq_ids, *prefill_q_starts, *prefill_q_lens, *prefill_seq_lens;
+    const int32_t *prefill_table;
+    int64_t prefill_table_stride;
 } step_t;
 
 /* The phases of a layer, as step_t.phase_ns counts them: q|k|v with RoPE and the cache writes, attention,
@@ -170,7 +163,7 @@ static inline int64_t take(barrier_t *b, int64_t n, int64_t chunk) {
 /* Runs of a matmul's columns handed out share first: thread t takes the runs of its own contiguous share in
  * order, then the runs left in the other threads' shares (t + 1, t + 2, ...), from their fronts. So a thread
  * mostly computes one contiguous range, and each run's last panels prefetch the first of its next run
- * (dense_matmul.c, cols); from a single counter the next run was as often the other thread's. A
+ * (panel_matmul.c, cols); from a single counter the next run was as often the other thread's. A
  * descheduled thread's runs are still taken by the others. Measured on 30 layers' projections and the head
  * at 32 rows with weights streamed from memory, 2 threads of the AVX-512 Xeon: contiguous halves 246
  * GFLOP/s, 4 runs per thread from one counter 230, 16 runs 207. Returns the start of the run taken, or n. */
@@ -214,7 +207,7 @@ static void project(const kernels_t *k, const proj_t *p, const void *xq, int64_t
  * kernel takes row ranges (matmul_rows) and the rows' split x (6 bytes a value: the float32 AMX kernel's
  * three bfloat16 parts) is over `limit` bytes (0: never cut), blocks of equal rows, a multiple of 16, that
  * each fit. Each block is run against every column of the projection in turn, its x read from L2 while the
- * weights pass (model_t.row_block_bytes: gguf_decode.py's ROW_BLOCK_BYTES). */
+ * weights pass (model_t.row_block_bytes: decode_step.py's ROW_BLOCK_BYTES). */
 static inline int64_t row_block(const kernels_t *k, int64_t m, int64_t kdim, int64_t limit) {
     const int64_t bytes = m * kdim * 6;
     if (!k->matmul_rows || limit <= 0 || bytes <= limit) return m;
@@ -244,39 +237,8 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
-
-/* float to float16, rounded to nearest even as torch's .to(torch.float16) rounds: subnormal halves below
- * 2^-14, infinity from 65520 on, NaN as 0x7e00. */
-static uint16_t f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000u;
-    x &= 0x7fffffffu;
-    if (x > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-    if (x < 0x33000000u) return (uint16_t)sign; /* at most 2^-25: zero (2^-25 itself ties to even) */
-    uint32_t h, rem, half;
-    if (x < 0x38800000u) { /* a subnormal half: x's significand over 2^24 units of 2^-24 */
-        const uint32_t shift = 126u - (x >> 23), m = (x & 0x7fffffu) | 0x800000u;
-        h = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    } else { /* rebias the exponent from 127 to 15; a carry out of the significand moves into it */
-        h = (x - 0x38000000u) >> 13, rem = x & 0x1fffu, half = 0x1000u;
-    }
-    if (rem > half || (rem == half && (h & 1u))) h++;
-    return (uint16_t)(sign | h);
-}
-
-/* float to bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) rounds; NaN as 0x7fc0. */
-static uint16_t f32_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
 /* d floats of x into element `at` of a cache of kv_type (an entry point of its own for the tests). */
-void tandem_gguf_store_kv(void *cache, int64_t at, const float *x, int64_t d, int64_t kv_type) {
+void tandem_decode_step_store_kv(void *cache, int64_t at, const float *x, int64_t d, int64_t kv_type) {
     if (kv_type == KV_F32) {
         memcpy((float *)cache + at, x, sizeof(float) * d);
         return;
@@ -308,7 +270,7 @@ static void qkv_phase(const model_t *md, const step_t *s, const layer_t *L, void
             float *x = s->qkv + r * ld + u * d;
             if (u < nq + nkv) rope(x, md->rope_cos + s->positions[r] * d, md->rope_sin + s->positions[r] * d, d);
             if (u >= nq) /* kv head u - nq (K) or u - nq - nkv (V) */
-                tandem_gguf_store_kv(u < nq + nkv ? kc : vc, (s->slots[r] * nkv + (u - nq) % nkv) * d, x, d, s->kv_type);
+                tandem_decode_step_store_kv(u < nq + nkv ? kc : vc, (s->slots[r] * nkv + (u - nq) % nkv) * d, x, d, s->kv_type);
         }
     }
 }
@@ -355,10 +317,10 @@ static void attention_phase(const model_t *md, const step_t *s, const void *kc, 
                                   (int)h0, (int)h1);
         base += nq * w;
     }
-    for (int64_t n; (n = take(bar, s->pf_items, 1)) < s->pf_items;)
-        md->k.prefill_attention_item(s->qkv, ld, kc, vc, (int)s->kv_type, s->pf_table, s->pf_table_stride,
-                                     s->pf_seq_ids, s->pf_q_starts, s->pf_q_lens, s->pf_seq_lens, s->attn, (int)nq,
-                                     (int)md->nkv, (int)d, (int)s->bs, md->scale, s->pf_items, n, sc);
+    for (int64_t n; (n = take(bar, s->prefill_items, 1)) < s->prefill_items;)
+        md->k.prefill_attention_item(s->qkv, ld, kc, vc, (int)s->kv_type, s->prefill_table, s->prefill_table_stride,
+                                     s->prefill_seq_ids, s->prefill_q_starts, s->prefill_q_lens, s->prefill_seq_lens, s->attn, (int)nq,
+                                     (int)md->nkv, (int)d, (int)s->bs, md->scale, s->prefill_items, n, sc);
 }
 
 static int64_t now_ns(void) {
@@ -420,9 +382,9 @@ static void run(const model_t *md, const step_t *s, barrier_t *bar, int t, int n
 /* One step (see the file comment) on up to `threads` threads. Returns 0, or -1 for shapes the step does not
  * take (an odd head size, or with prefill chunks one not a multiple of 16; nq not a multiple of nkv, a
  * projection input not a multiple of 32) or an unknown kv_type. */
-int tandem_gguf_decode(const model_t *md, const step_t *s, int threads) {
+int tandem_decode_step(const model_t *md, const step_t *s, int threads) {
     if (md->d % 2 || md->nq % md->nkv || md->hidden % QK || md->inter % QK || md->nq * md->d % QK) return -1;
-    if (s->pf_items && md->d % 16) return -1;
+    if (s->prefill_items && md->d % 16) return -1;
     if (s->kv_type != KV_F32 && s->kv_type != KV_BF16 && s->kv_type != KV_F16) return -1;
     barrier_t bar;
     atomic_init(&bar.arrived, 0);

@@ -18,8 +18,6 @@ slots are masked, not zeroed, so the cache must never hold NaN/inf (allocate it 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,19 +27,14 @@ import torch.nn.functional as F
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import default_cache_dir
-from tandem_engine.kernels.build import address, base_flags, try_build
+from tandem_engine.kernels.build import address
+from tandem_engine.kernels.paged_attention import KERNEL_KV_TYPES, kernel_scratch, load_kernel
 
 logger = logging.getLogger(__name__)
 
 # Chunks up to this many query tokens go to the C kernel; longer ones to SDPA, whose GEMMs win from
 # about 3 query rows on (measured with SmolLM2 shapes at 300 and 2000 tokens of context).
 KERNEL_MAX_QUERY_LEN = 2
-
-# The kernel's C source ships beside this module; the built library is keyed on its text.
-_KERNEL_SRC = (Path(__file__).parent / "paged_attention.c").read_text()
-# The cache dtypes the kernel reads, as its `kv_type` argument.
-KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 def _writes_in_one_pass(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slots: torch.Tensor) -> bool:
@@ -59,61 +52,6 @@ def _int32_table(meta: AttentionMetadata) -> torch.Tensor:
     """The block table as the kernels read it: int32, each row's entries contiguous."""
     table = meta.block_table
     return table if table.dtype == torch.int32 and table.stride(1) == 1 else table.to(torch.int32).contiguous()
-
-
-# -fno-associative-math: the kernel's sums run in the order written (see paged_attention.c, fma16). The
-# rest of -ffast-math would let GCC call libm's vector functions, whose floats depend on the vector width:
-# the kernel calls none (test_kernel_build.py checks the object code of each ISA level).
-KERNEL_MATH_FLAGS = ("-ffast-math", "-fno-associative-math")
-
-
-@functools.cache  # one attempt per directory
-def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
-    """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
-    `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
-    `tandem_paged_attention` (decode rows over threads), `tandem_paged_attention_heads` (a head range of
-    one row), `tandem_write_kv` (a step's keys and values into a float32 cache) and
-    `tandem_prefill_attention_kv` (float32 prefill chunks over any of those caches, tiled; one work item of it
-    at a time: `tandem_prefill_attention_item`)."""
-    return build_kernel(_KERNEL_SRC, cache_dir)
-
-
-def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") -> ctypes.CDLL | None:
-    """Build and load a paged-attention kernel `source` (load_kernel's, or another version of it, as
-    bench/attention_kernel.py compares) with its entries' signatures set; None if it cannot be built."""
-    flags = (*base_flags(), *KERNEL_MATH_FLAGS)
-    lib = try_build(name, source, flags, cache_dir, "using the torch SDPA path")
-    if lib is None:
-        return None
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.tandem_paged_attention.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32,
-                                           f32, i32]
-    lib.tandem_paged_attention.restype = i32
-    lib.tandem_paged_attention_heads.argtypes = [p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, f32, i32, i32]
-    lib.tandem_paged_attention_heads.restype = None
-    if hasattr(lib, "tandem_write_kv"):  # older sources (bench/attention_kernel.py's baseline) lack these
-        lib.tandem_write_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
-        lib.tandem_write_kv.restype = i64
-    if hasattr(lib, "tandem_prefill_attention"):
-        lib.tandem_prefill_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32,
-                                                 f32, i32]
-        lib.tandem_prefill_attention.restype = i32
-    if hasattr(lib, "tandem_prefill_attention_kv"):
-        lib.tandem_prefill_attention_kv.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, i64, p, p, i32, i32, i32,
-                                                    i32, f32, i32]
-        lib.tandem_prefill_attention_kv.restype = i32
-        lib.tandem_prefill_scratch.argtypes = [i32, i32]
-        lib.tandem_prefill_scratch.restype = i64
-    if hasattr(lib, "tandem_prefill_items"):
-        lib.tandem_prefill_items.argtypes = [p, i64, i32]
-        lib.tandem_prefill_items.restype = i64
-    return lib
-
-
-def kernel_scratch(nq: int, nkv: int, d: int, block_size: int, max_klen: int) -> int:
-    """Floats of scratch the kernel needs per thread: scores and accumulators, then one block widened from a
-    16-bit cache."""
-    return nq * (max_klen + d) + block_size * nkv * d
 
 
 @dataclass
@@ -157,7 +95,7 @@ class _Plan:
     kernel_prefills: _KernelPrefills | None = None  # through the kernel's tandem_prefill_attention
 
 
-class TorchAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, use_kernel: bool | None = None, cache_dir: Path | None = None) -> None:
@@ -174,7 +112,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @property
     def step_entries(self) -> dict[str, int] | None:
-        """Where the kernel's entries for the fused step (models/gguf_decode.py) are: a decode row's head range
+        """Where the kernel's entries for the fused step (worker/decode_step.py) are: a decode row's head range
         (`attention_heads`) and one work item of the tiled prefill attention (`prefill_attention_item`); None
         when the kernel is off."""
         if self._kernel is None:

@@ -1,4 +1,4 @@
-/* tandem's CPU paged attention for decode rows (see torch_backend.py, which builds it with the system C
+/* tandem's CPU paged attention for decode rows (see cpu_backend.py, which builds it with the system C
  * compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
  * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
  * holds float32, bfloat16 or float16 (kv_type 0, 1, 2), and the arithmetic is float32 whatever it holds
@@ -11,9 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "tandem_exp.h"
-
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+#include "tandem_kernels.h"
 
 typedef struct {
     const float *q; int64_t q_tok_stride;        /* [T, nq, D], head stride D */
@@ -26,23 +24,6 @@ typedef struct {
                                                     for a 16-bit cache, one widened block bs * nkv * D */
     int64_t n_rows; int nq, nkv, d, bs; float scale;
 } job_t;
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    /* Integer arithmetic only (no subnormal float inputs, which -ffast-math may flush): exact for every
-     * half, subnormals included. */
-    const uint32_t em = h & 0x7fffu;
-    union { uint32_t u; float f; } v;
-    if (em < 0x0400u) v.f = (float)em * 0x1p-24f;            /* zero and subnormals: em * 2^-24 */
-    else if (em < 0x7c00u) v.u = (em << 13) + (112u << 23);  /* rebias the exponent from 15 to 127 */
-    else v.u = (em << 13) | 0x7f800000u;                     /* inf and NaN */
-    v.u |= (uint32_t)(h & 0x8000u) << 16;
-    return v.f;
-}
 
 /* The first n floats of the cache block starting at element `off`: the block itself for a float32
  * cache, else the block widened into buf. */
@@ -60,7 +41,7 @@ static const float *block_f32(const job_t *j, const void *cache, int64_t off, in
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 #define V8(p) (*(const v8 *)(p))
 
-static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+static inline float hsum8_pairs(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 /* a . b for d a multiple of 8: four independent partial sums, so the FMAs do not wait on each other. */
 static inline float dot_v8(const float *a, const float *b, int d) {
@@ -73,7 +54,7 @@ static inline float dot_v8(const float *a, const float *b, int d) {
         s3 += V8(a + x + 24) * V8(b + x + 24);
     }
     for (; x < d; x += 8) s0 += V8(a + x) * V8(b + x);
-    return hsum8((s0 + s1) + (s2 + s3));
+    return hsum8_pairs((s0 + s1) + (s2 + s3));
 }
 
 static inline float dot(const float *a, const float *b, int d) {
@@ -119,8 +100,8 @@ static inline void prefetch(const char *p, int64_t bytes) {
 
 /* A run of lines to request a few at a time, spread over the computation of the block before it: a
  * whole block requested at once fills the core's miss buffers, and the computation then waits for it. */
-typedef struct { const char *p; int64_t left; } pf_stream;
-static inline void pf_step(pf_stream *s, int64_t lines) {
+typedef struct { const char *p; int64_t left; } prefetch_stream;
+static inline void prefetch_step(prefetch_stream *s, int64_t lines) {
     for (; lines > 0 && s->left > 0; lines--, s->p += 64, s->left -= 64) prefetch_line(s->p);
 }
 
@@ -150,7 +131,7 @@ static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16)_mm512_fmadd_ps((__
 static inline float hsum16(v16 v) {
     const v8 lo = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
     const v8 hi = {v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
-    return hsum8(lo + hi);
+    return hsum8_pairs(lo + hi);
 }
 #else
 #if defined(__FMA__)
@@ -166,7 +147,7 @@ static inline v16 zero16(void) { return (v16){{0}, {0}}; }
 static inline v16 bcast16(float s) { const v8 b = (v8){0} + s; return (v16){b, b}; }
 static inline v16 smul16(float s, v16 a) { return (v16){s * a.lo, s * a.hi}; }
 static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16){fma8(a.lo, b.lo, acc.lo), fma8(a.hi, b.hi, acc.hi)}; }
-static inline float hsum16(v16 v) { return hsum8(v.lo + v.hi); }
+static inline float hsum16(v16 v) { return hsum8_pairs(v.lo + v.hi); }
 #endif
 
 /* The 16 cache values at `at` of a cache of type kt (a constant at every call site), as floats: exact,
@@ -199,12 +180,12 @@ static inline __attribute__((always_inline)) v16 ld16kv(const char *at, const in
 static inline __attribute__((always_inline)) void axpy_heads64(float *acc, int64_t acc_stride, const float *w,
                                                               int64_t w_stride, const void *v, int64_t v0,
                                                               const int kt, int64_t n, int64_t stride,
-                                                              pf_stream *pf, int64_t per, const int nh) {
+                                                              prefetch_stream *pf, int64_t per, const int nh) {
     v16 a[GROUP_MAX][4];
     for (int k = 0; k < nh; k++)
         for (int c = 0; c < 4; c++) a[k][c] = ld16(acc + k * acc_stride + 16 * c);
     for (int64_t o = 0; o < n; o++) {
-        pf_step(pf, per);
+        prefetch_step(pf, per);
         const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
         const char *vr = (const char *)v + (v0 + o * stride) * es;
         const v16 x0 = ld16kv(vr, kt), x1 = ld16kv(vr + 16 * es, kt), x2 = ld16kv(vr + 32 * es, kt),
@@ -261,7 +242,7 @@ static inline __m512 tree3(__m512 a, __m512 b) {  /* in each 128-bit lane: [a's 
 static inline __attribute__((always_inline)) void scores_heads64(float *s, int64_t s_stride, const float *q, int d,
                                                                 const void *kb, int64_t k0_at, const int kt,
                                                                 int64_t n, int64_t stride, float scale,
-                                                                pf_stream *pf, int64_t per, const int nh) {
+                                                                prefetch_stream *pf, int64_t per, const int nh) {
     const int64_t es = kt == KV_F32 ? 4 : 2;  /* bytes per value */
     const char *k0 = (const char *)kb + k0_at * es;
     int64_t o = 0;
@@ -273,9 +254,9 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
             __m512 x[GROUP_MAX][2];
             for (int h = 0; h < 2; h++) {
                 v16 pa[GROUP_MAX], pb[GROUP_MAX];
-                pf_step(pf, per);
+                prefetch_step(pf, per);
                 key_lanes(pa, q, d, k0 + (o + r + 8 * h) * stride * es, kt, nh);
-                pf_step(pf, per);
+                prefetch_step(pf, per);
                 key_lanes(pb, q, d, k0 + (o + r + 8 * h + 4) * stride * es, kt, nh);
                 for (int k = 0; k < nh; k++) x[k][h] = tree1(pa[k], pb[k]);
             }
@@ -288,7 +269,7 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
     }
 #endif
     for (; o < n; o++) {
-        pf_step(pf, per);
+        prefetch_step(pf, per);
         v16 p[GROUP_MAX];
         key_lanes(p, q, d, k0 + o * stride * es, kt, nh);
         for (int k = 0; k < nh; k++) s[k * s_stride + o] = hsum16(p[k]) * scale;
@@ -297,7 +278,7 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
 
 /* e^x for a score minus its row's maximum (x <= 0): below -87, where e^x is under 2^-125, it is taken
  * at -87 (a masked score weighs 1.6e-38 of its row's largest). Branch-free arithmetic of our own
- * (kernels/tandem_exp.h), so GCC vectorises the loops that call it at any width and every lane computes
+ * (kernels/tandem_kernels.h), so GCC vectorises the loops that call it at any width and every lane computes
  * the same float whatever the width. libm's expf is not that: under -ffast-math GCC calls libmvec's
  * variant of the loop's width (SSE, AVX2 or AVX-512, where the tuning prefers 512-bit vectors: AMD's
  * Zen 4, a Xeon GCC does not know by name) for the body and scalar expf for the tail, and those differ
@@ -349,10 +330,10 @@ static const char *block_at(const job_t *j, const void *cache, const int32_t *bt
 /* The prefetch stream for block `i` of a row's table: all of it when the row reads every KV head of a
  * token and `spread` (requested a few lines at a time by the loops over the block before), else its
  * slices requested now, and an empty stream. */
-static pf_stream next_block(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen,
+static prefetch_stream next_block(const job_t *j, const void *cache, const int32_t *bt, int64_t i, int64_t klen,
                             int64_t tok_bytes, int64_t head_off, int64_t head_bytes, int spread) {
     const char *p = block_at(j, cache, bt, i, klen);
-    pf_stream s = {p, 0};
+    prefetch_stream s = {p, 0};
     if (!p) return s;
     if (spread && head_bytes == tok_bytes) s.left = j->bs * tok_bytes;
     else prefetch_heads(p, j->bs, tok_bytes, head_off, head_bytes);
@@ -386,7 +367,7 @@ static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t 
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const int64_t at = (int64_t)bt[p0 / bs] * bs * tok_stride;  /* the block's first element */
-        pf_stream pf = next_block(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
+        prefetch_stream pf = next_block(j, j->kc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
         if (d % 64 != 0) {
             const float *kb = block_f32(j, j->kc, at, n * tok_stride, wide);
             for (int64_t o = 0; o < n; o++)
@@ -403,14 +384,14 @@ static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t 
                 else scores_heads64(s, klen, qh, d, j->kc, kh, kt, n, tok_stride, j->scale, &pf, per, 1);
                 hi += nh;
             }
-        pf_step(&pf, INT64_MAX);  /* what the loops did not request */
+        prefetch_step(&pf, INT64_MAX);  /* what the loops did not request */
     }
     for (int hi = h0; hi < h1; hi++) softmax(sc + hi * klen, klen);
     memset(acc + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
     for (int64_t p0 = 0; p0 < klen; p0 += bs) {
         const int64_t n = klen - p0 < bs ? klen - p0 : bs;
         const int64_t at = (int64_t)bt[p0 / bs] * bs * tok_stride;
-        pf_stream pf = next_block(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
+        prefetch_stream pf = next_block(j, j->vc, bt, p0 / bs + PREFETCH_AHEAD, klen, tok_bytes, head_off, head_bytes, spread);
         const float *vb = d % 64 == 0 ? NULL : block_f32(j, j->vc, at, n * tok_stride, wide);
         for (int hi = h0; hi < h1;) {  /* query head hi = h * g + gi reads kv head h */
             const int h = hi / g;
@@ -433,7 +414,7 @@ static inline __attribute__((always_inline)) void one_t(const job_t *j, int64_t 
                     for (int x = 0; x < d; x++) a[x] += w[o] * vb[o * tok_stride + h * d + x];
             hi++;
         }
-        pf_step(&pf, INT64_MAX);
+        prefetch_step(&pf, INT64_MAX);
     }
     memcpy(j->out + (row * nq + h0) * d, acc + h0 * d, sizeof(float) * (h1 - h0) * d);
 }
@@ -477,7 +458,7 @@ int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc,
 
 /* Query heads [h0, h1) of one decode row (q [nq, D], out [nq, D]: the row's own; table: the row's blocks;
  * klen: the keys it attends; scratch: one thread's scratch_per_thread floats), exactly as
- * tandem_paged_attention computes them: the fused decode step (models/gguf_decode.c) splits rows and their
+ * tandem_paged_attention computes them: the fused decode step (kernels/decode_step.c) splits rows and their
  * heads over its threads itself. */
 void tandem_paged_attention_heads(const float *q, const void *kc, const void *vc, int kv_type, const int32_t *table,
                                   int64_t klen, float *out, float *scratch, int nq, int nkv, int d, int bs,
@@ -544,16 +525,16 @@ typedef struct {
                                                                row, query tokens, tokens in all */
     float *out;
     int nq, nkv, d, bs; float scale;
-} pf_job;
+} prefill_job;
 
 /* Work items (tiles of PF_TILE query tokens) of a prefill of ql query tokens, per KV head. */
-static inline int64_t pf_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE; }
+static inline int64_t prefill_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE; }
 
 /* Rows of an item with g query heads per KV head, padded to whole vectors. */
-static inline int pf_rpad(int rows) { return (rows + 15) & ~15; }
+static inline int prefill_rpad(int rows) { return (rows + 15) & ~15; }
 
 /* Scores of RV x 16 rows (from the [D][rpad] panel qt) by PF_SC_KEYS keys (kp), into sc [key][rpad]. */
-static inline __attribute__((always_inline)) void pf_scores(float *sc, int64_t rpad, const float *qt,
+static inline __attribute__((always_inline)) void prefill_scores(float *sc, int64_t rpad, const float *qt,
                                                             const float *const *kp, int d, const int rv) {
     const float *k[PF_SC_KEYS];
     for (int x = 0; x < PF_SC_KEYS; x++) k[x] = kp[x];
@@ -573,7 +554,7 @@ static inline __attribute__((always_inline)) void pf_scores(float *sc, int64_t r
 }
 
 /* acc[rows][cols x 16 floats from column c] = alpha * acc + sum over nk keys of p[key][row] * V. */
-static inline __attribute__((always_inline)) void pf_pv(float *acc, int d, const float *alpha, const float *p,
+static inline __attribute__((always_inline)) void prefill_pv(float *acc, int d, const float *alpha, const float *p,
                                                         int64_t rpad, const float *const *vp, int nk, int c,
                                                         const int rows, const int cols) {
     v16 o[PF_PV_ROWS][PF_PV_COLS];
@@ -593,12 +574,12 @@ static inline __attribute__((always_inline)) void pf_pv(float *acc, int d, const
 }
 
 /* P x V for `rows` rows (at most PF_PV_ROWS) over all of D. */
-static inline __attribute__((always_inline)) void pf_pv_rows(float *acc, int d, const float *alpha,
+static inline __attribute__((always_inline)) void prefill_pv_rows(float *acc, int d, const float *alpha,
                                                              const float *p, int64_t rpad, const float *const *vp,
                                                              int nk, const int rows) {
     int c = 0;
-    for (; c + 16 * PF_PV_COLS <= d; c += 16 * PF_PV_COLS) pf_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, PF_PV_COLS);
-    for (; c < d; c += 16) pf_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, 1);
+    for (; c + 16 * PF_PV_COLS <= d; c += 16 * PF_PV_COLS) prefill_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, PF_PV_COLS);
+    for (; c < d; c += 16) prefill_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, 1);
 }
 
 /* Key or value row `src` (d values of cache type kt, d a multiple of 16) as floats in dst: exact. */
@@ -614,12 +595,12 @@ static void widen_row(float *dst, const char *src, int d, int kt) {
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("prefer-vector-width=512")))
 #endif
-static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
+static void prefill_item(const prefill_job *j, int64_t s, int h, int64_t t, float *buf) {
     const int d = j->d, g = j->nq / j->nkv;
     const int64_t ql = j->q_lens[s], r0 = t * PF_TILE;
     const int ntok = (int)(ql - r0 < PF_TILE ? ql - r0 : PF_TILE);
     const int64_t p0 = j->seq_lens[s] - ql + r0;  /* position of the tile's first query token */
-    const int rows = ntok * g, rpad = pf_rpad(rows), nrv = rpad / 16;
+    const int rows = ntok * g, rpad = prefill_rpad(rows), nrv = rpad / 16;
     const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
     float *qt = buf, *acc = qt + (int64_t)d * rpad, *sc = acc + (int64_t)rpad * d;
     float *mx = sc + (int64_t)PF_CHUNK * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
@@ -663,8 +644,8 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         for (int x = 0; x < nkr; x += PF_SC_KEYS) {
             int i = 0;
             for (; i + PF_SC_ROWS <= nrv; i += PF_SC_ROWS)
-                pf_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, PF_SC_ROWS);
-            for (; i < nrv; i++) pf_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, 1);
+                prefill_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, PF_SC_ROWS);
+            for (; i < nrv; i++) prefill_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, 1);
         }
         /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g; padding
          * keys to none (padding rows, all zero, are never written out). */
@@ -692,9 +673,9 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
         /* acc = acc * alpha + P V */
         int r = 0;
         for (; r + PF_PV_ROWS <= rpad; r += PF_PV_ROWS)
-            pf_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, PF_PV_ROWS);
-        for (; r + 4 <= rpad; r += 4) pf_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 4);
-        for (; r < rpad; r += 2) pf_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 2);
+            prefill_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, PF_PV_ROWS);
+        for (; r + 4 <= rpad; r += 4) prefill_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 4);
+        for (; r < rpad; r += 2) prefill_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 2);
     }
     for (int r = 0; r < rows; r++) {
         float *dst = j->out + ((j->q_starts[s] + r0 + r / g) * j->nq + h * g + r % g) * d;
@@ -705,27 +686,27 @@ static void pf_item(const pf_job *j, int64_t s, int h, int64_t t, float *buf) {
 
 /* Items lie in order of sequence, KV head and tile; later tiles attend to more keys, so the n-th item handed
  * out is the (items - 1 - n)-th: the longest go first. */
-static void pf_nth_item(const pf_job *j, int64_t items, int64_t n, float *buf) {
+static void prefill_nth_item(const prefill_job *j, int64_t items, int64_t n, float *buf) {
     int64_t s = 0, rest = items - 1 - n;
-    while (rest >= j->nkv * pf_tiles(j->q_lens[s])) rest -= j->nkv * pf_tiles(j->q_lens[s++]);
-    pf_item(j, s, (int)(rest / pf_tiles(j->q_lens[s])), rest % pf_tiles(j->q_lens[s]), buf);
+    while (rest >= j->nkv * prefill_tiles(j->q_lens[s])) rest -= j->nkv * prefill_tiles(j->q_lens[s++]);
+    prefill_item(j, s, (int)(rest / prefill_tiles(j->q_lens[s])), rest % prefill_tiles(j->q_lens[s]), buf);
 }
 
 /* The work items of n_seqs prefills of q_lens query tokens each, with nkv KV heads (for
  * tandem_prefill_attention_item). */
 int64_t tandem_prefill_items(const int64_t *q_lens, int64_t n_seqs, int nkv) {
     int64_t items = 0;
-    for (int64_t s = 0; s < n_seqs; s++) items += nkv * pf_tiles(q_lens[s]);
+    for (int64_t s = 0; s < n_seqs; s++) items += nkv * prefill_tiles(q_lens[s]);
     return items;
 }
 
 /* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
 int64_t tandem_prefill_scratch(int g, int d) {
-    const int64_t rpad = pf_rpad(PF_TILE * g);
+    const int64_t rpad = prefill_rpad(PF_TILE * g);
     return rpad * (2 * d + PF_CHUNK + 4) + d + 2 * PF_CHUNK * (int64_t)d;
 }
 
-/* out [T, nq, D] rows of n_seqs prefills (see pf_job); scratch: n_threads * tandem_prefill_scratch floats.
+/* out [T, nq, D] rows of n_seqs prefills (see prefill_job); scratch: n_threads * tandem_prefill_scratch floats.
  * Returns -1 for a head layout it does not take (D not a multiple of 16, nq not a multiple of nkv). */
 int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
                                 const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
@@ -734,7 +715,7 @@ int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void
                                 float scale, int n_threads) {
     if (d % 16 != 0 || nkv <= 0 || nq % nkv != 0) return -1;
     if (kv_type != KV_F32 && kv_type != KV_BF16 && kv_type != KV_F16) return -1;
-    const pf_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
+    const prefill_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
                       out, nq, nkv, d, bs, scale};
     const int64_t items = tandem_prefill_items(q_lens, n_seqs, nkv);
     const int64_t per_thread = tandem_prefill_scratch(nq / nkv, d);
@@ -744,23 +725,23 @@ int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void
     {
         float *buf = scratch + (int64_t)omp_get_thread_num() * per_thread;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t n = 0; n < items; n++) pf_nth_item(&j, items, n, buf);
+        for (int64_t n = 0; n < items; n++) prefill_nth_item(&j, items, n, buf);
     }
     return 0;
 }
 
 /* The n-th of tandem_prefill_attention_kv's `items` work items on the calling thread, with buf
  * (tandem_prefill_scratch floats): for a caller that shares the items out over threads of its own, as the
- * fused step does (models/gguf_decode.c). The same floats as tandem_prefill_attention_kv's. The layout
+ * fused step does (kernels/decode_step.c). The same floats as tandem_prefill_attention_kv's. The layout
  * checks are the caller's (tandem_prefill_attention_kv's). */
 void tandem_prefill_attention_item(const float *q, int64_t q_tok_stride, const void *kc, const void *vc,
                                    int kv_type, const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
                                    const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
                                    float *out, int nq, int nkv, int d, int bs, float scale, int64_t items,
                                    int64_t n, float *buf) {
-    const pf_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
+    const prefill_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
                       out, nq, nkv, d, bs, scale};
-    pf_nth_item(&j, items, n, buf);
+    prefill_nth_item(&j, items, n, buf);
 }
 
 /* The same over a float32 cache (the entry bench/prefill_attention.py times against earlier revisions). */

@@ -1,4 +1,4 @@
-"""Matmuls on AMX tiles (amx_matmul.c), on CPUs with AMX-BF16: the fused decode step (gguf_decode.py) calls
+"""Matmuls on AMX tiles (amx_matmul.c), on CPUs with AMX-BF16: the fused decode step (decode_step.py) calls
 them from its own threads, and `matmul` / `f32_matmul` run one whole (the op-by-op path, the head, the tests).
 
 bfloat16, for a bfloat16 model: `pack_amx` copies a bfloat16 [n, k] weight once into panels of 16 output
@@ -21,14 +21,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tandem_engine.kernels.build import address, base_flags, cpu_flags, try_build
-from tandem_engine.models.gguf_linear import QuantizedWeight
+from tandem_engine.kernels.gguf_matmul import QuantizedWeight
 
-_SRC = (Path(__file__).parent / "amx_matmul.c").read_text()
+SOURCE = (Path(__file__).parent / "amx_matmul.c").read_text()
 PANEL = 16  # output columns of a panel (amx_matmul.c's NR)
 K_TILE = 32  # steps in k of a weight tile (its KT): k must be a multiple
-BF16 = 30  # the qtype the fused step passes for these panels (ggml's id for BF16; the kernel does not read it)
+BF16 = int(GGMLQuantizationType.BF16)  # the qtype the fused step passes for these panels (the kernel does not read it)
 # What the CPU must list in /proc/cpuinfo: the tiles, their bf16 products, AVX-512 for the rounding of x.
 CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512f"}
 
@@ -108,7 +109,7 @@ class AmxKernel:
         self._copy_x = lib.tandem_amx_copy_x
         self._copy_x.argtypes = [p, i64, i64, i64, i64, i64, p]
         self._copy_x.restype = None
-        # For the fused decode step (gguf_decode.c's kernels_t): x rounded into its buffer, then columns.
+        # For the fused decode step (decode_step.c's kernels_t): x rounded into its buffer, then columns.
         self.entries = {"quantize": address(lib, "tandem_amx_copy_x"),
                         "matmul_cols": address(lib, "tandem_amx_matmul_cols")}
         self.tile_cols = 2 * PANEL  # a tile's columns: runs of columns start on multiples of it
@@ -214,7 +215,7 @@ class AmxBlockLinear:
 
 def expects_amx_float32(gguf: bool, dtype: torch.dtype, quantization: str, device: torch.device,
                         enabled: bool) -> bool:
-    """Whether a model loaded so will take float32 AMX copies (gguf_decode.fuse_decode_steps with
+    """Whether a model loaded so will take float32 AMX copies (decode_step.fuse_decode_steps with
     `--cpu-amx-float32`), which take every matmul oneDNN's packed copies would: then those are not made."""
     return (enabled and gguf and dtype == torch.float32 and quantization == "none" and device.type == "cpu"
             and amx_unfit() is None)
@@ -226,7 +227,7 @@ def amx_unfit(flags: set[str] | None = None) -> str | None:
     return f"the CPU lacks {' '.join(sorted(missing))}" if missing else None
 
 
-def amx_flags() -> tuple[str, ...]:
+def build_flags() -> tuple[str, ...]:
     """Every kernel's flags, with AMX-BF16 and AVX-512 added whatever ISA level the rest is built for
     (`TANDEM_CPU_KERNEL_MARCH`: an image's x86-64-v3): the engine runs the kernel only on a CPU that has them
     (`amx_unfit`), so one build serves every node with AMX."""
@@ -236,7 +237,7 @@ def amx_flags() -> tuple[str, ...]:
 def build_amx_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """The kernel's library built once under `cache_dir` (kernels/build.py; an image's build makes it on any
     x86 machine), or None with a warning: no compiler, or one without AMX."""
-    return try_build("amx_matmul", _SRC, amx_flags(), cache_dir, "a bfloat16 model runs op by op in bfloat16")
+    return try_build("amx_matmul", SOURCE, build_flags(), cache_dir, "a bfloat16 model runs op by op in bfloat16")
 
 
 @functools.cache  # one per directory

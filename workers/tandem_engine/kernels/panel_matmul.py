@@ -1,5 +1,5 @@
-"""float32 matmuls over weights packed into panels of 16 output columns (dense_matmul.c), for the dense
-path's decode steps: the fused decode step (gguf_decode.py) calls them from its own threads, and `matmul`
+"""float32 matmuls over weights packed into panels of 16 output columns (panel_matmul.c), for the dense
+path's decode steps: the fused decode step (decode_step.py) calls them from its own threads, and `matmul`
 runs one whole, for the tests and the head.
 
 `pack_panels` copies a [n, k] weight once into [ceil(n / 16), k, 16]; every output is one chain of fused
@@ -28,20 +28,20 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tandem_engine.kernels.build import address, base_flags, try_build
-from tandem_engine.models.gguf_linear import BLOCKS, QuantizedWeight
+from tandem_engine.kernels.gguf_matmul import BLOCKS, QuantizedWeight
 
-_SRC = (Path(__file__).parent / "dense_matmul.c").read_text()
-PANEL = 16  # output columns of a panel (dense_matmul.c's NR)
+SOURCE = (Path(__file__).parent / "panel_matmul.c").read_text()
+PANEL = 16  # output columns of a panel (panel_matmul.c's NR)
 # Op-by-op matmuls of up to this many rows run on the panels where a layer has them; larger ones on oneDNN's
-# packed copy (DenseKernel.max_rows). The AVX2 build (one-panel tiles), on an AVX2 EPYC: as fast as oneDNN or
+# packed copy (PanelKernel.max_rows). The AVX2 build (one-panel tiles), on an AVX2 EPYC: as fast as oneDNN or
 # faster from 1 to 512 rows (the CPU's default step budget, config.CPU_STEP_TOKENS), 0.88-0.94x at 2,048.
 PANEL_MAX_ROWS = 512
 # The AVX-512 build (two-panel tiles), on an AVX-512 Xeon: even with oneDNN at 64-96 rows, 3-10% behind it
 # from 128 to 512; a prefill of 32 x 256 tokens in 512-token steps spent 9% less in its matmuls on oneDNN.
 PANEL_MAX_ROWS_AVX512 = 96
-F32 = 0  # the qtype of float panels (ggml's id for F32); block panels take their blocks' type id (BLOCKS)
+F32 = int(GGMLQuantizationType.F32)  # the qtype of float panels; block panels take their blocks' type id (BLOCKS)
 # Matmuls of this many rows or more read float panels where a projection keeps them beside its block panels
-# (PanelLinear's `floats`; the AVX2 build only, DenseKernel.floats_pay). Unpacking a block costs about what
+# (PanelLinear's `floats`; the AVX2 build only, PanelKernel.floats_pay). Unpacking a block costs about what
 # the FMAs over it cost for a few rows, and a step of many rows is not held up by memory even at 4 bytes a
 # weight. On 2 threads of an AVX2 EPYC (Zen 3), SmolLM2's projections with the weights streamed, float against
 # Q4_1 panels in turn (best of 7): 16 rows 1.2-1.35x, 32 rows 1.0-1.4x (1.1x typical), 512 rows 1.0-1.3x; the
@@ -65,7 +65,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_block_panels(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """A [n, k] weight in a GGUF file's Q4_1 or Q8_0 blocks (uint8 [n, k / 32 * block bytes], a row of
-    blocks per output row) as dense_matmul.c's block panels, uint8 [ceil(n / PANEL), k / 32 * panel block
+    blocks per output row) as panel_matmul.c's block panels, uint8 [ceil(n / PANEL), k / 32 * panel block
     bytes]: per panel and block of 32 along k, the 16 columns' fp16 d (and Q4_1's m), then their quantized
     bytes 16 at a time, column-minor. Rows past n are zero blocks (weights 0, like pack_panels' padding)."""
     nbytes = BLOCKS[qtype][1]
@@ -84,27 +84,27 @@ def pack_block_panels(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return out.reshape(panels, -1).contiguous()
 
 
-class DenseKernel:
-    """The built dense_matmul.c; threads as torch's."""
+class PanelKernel:
+    """The built panel_matmul.c; threads as torch's."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._matmul = lib.tandem_dense_matmul
+        self._matmul = lib.tandem_panel_matmul
         self._matmul.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, p, i64, ctypes.c_int]
         self._matmul.restype = None
-        self._unpack = lib.tandem_dense_unpack
+        self._unpack = lib.tandem_panel_unpack
         self._unpack.argtypes = [p, ctypes.c_int, i64, i64, p]
         self._unpack.restype = None
-        self._block_bytes = lib.tandem_dense_block_bytes
+        self._block_bytes = lib.tandem_panel_block_bytes
         self._block_bytes.argtypes = [ctypes.c_int]
         self._block_bytes.restype = i64
-        # For the fused decode step (gguf_decode.c's kernels_t): x copied into its buffer, then columns.
-        self.entries = {"quantize": address(lib, "tandem_dense_copy_x"),
-                        "matmul_cols": address(lib, "tandem_dense_matmul_cols")}
+        # For the fused decode step (decode_step.c's kernels_t): x copied into its buffer, then columns.
+        self.entries = {"quantize": address(lib, "tandem_panel_copy_x"),
+                        "matmul_cols": address(lib, "tandem_panel_matmul_cols")}
         # Output columns of a tile (one panel, or two in the AVX-512 build): runs of columns that start on
         # multiples of it take whole tiles.
-        self.tile_cols = int(lib.tandem_dense_tile_cols())
-        vector_bits = int(lib.tandem_dense_vector_bits())  # 512, 256, or 0 (the scalar loop)
+        self.tile_cols = int(lib.tandem_panel_tile_cols())
+        vector_bits = int(lib.tandem_panel_vector_bits())  # 512, 256, or 0 (the scalar loop)
         # Whether projections that keep block panels should keep float panels too, for FLOAT_PANELS_FROM_ROWS
         # rows or more: measured on the AVX2 build only (on an AVX-512 Xeon such steps take the AMX copies).
         self.floats_pay = vector_bits == 256
@@ -152,7 +152,7 @@ class DenseKernel:
 class DenseBlocks:
     """The Q4_1/Q8_0 blocks a dense model loaded from a GGUF file was dequantized from: per layer, each fused
     projection's parts (the checkpoint tensors in row order) where the file quantizes them, and the head's
-    (the tied embedding's when tied). The dense path keeps its decode-step panels in them (dense_matmul.py)."""
+    (the tied embedding's when tied). The dense path keeps its decode-step panels in them (panel_matmul.py)."""
 
     layers: list[dict[str, list[QuantizedWeight]]]
     head: QuantizedWeight | None
@@ -166,7 +166,7 @@ class PanelLinear:
     if `keep_floats` (fuse_decode_steps: where the kernel's `floats_pay`): matmuls of FLOAT_PANELS_FROM_ROWS
     rows or more then read those, the same floats."""
 
-    def __init__(self, weight: torch.Tensor, kernel: DenseKernel,
+    def __init__(self, weight: torch.Tensor, kernel: PanelKernel,
                  blocks: Sequence[QuantizedWeight] | None = None, keep_floats: bool = False) -> None:
         self.out_features, self.kernel = weight.shape[0], kernel
         self.qtype, self.why_float = F32, "" if blocks is None else self._why_not_blocks(weight, blocks)
@@ -205,8 +205,13 @@ class PanelLinear:
         return y if bias is None else y.add_(bias)
 
 
+def build_flags() -> tuple[str, ...]:
+    """panel_matmul.c's compile flags."""
+    return base_flags()
+
+
 @functools.cache  # one per directory
-def load_dense_kernel(cache_dir: Path) -> DenseKernel | None:
+def load_panel_kernel(cache_dir: Path) -> PanelKernel | None:
     """The kernel built once under `cache_dir` (kernels/build.py), or None with a warning."""
-    lib = try_build("dense_matmul", _SRC, base_flags(), cache_dir, "dense decode steps run op by op")
-    return None if lib is None else DenseKernel(lib)
+    lib = try_build("panel_matmul", SOURCE, build_flags(), cache_dir, "dense decode steps run op by op")
+    return None if lib is None else PanelKernel(lib)

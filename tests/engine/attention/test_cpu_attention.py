@@ -1,4 +1,4 @@
-"""TorchAttentionBackend against a dense per-sequence reference, over scattered paged blocks."""
+"""CpuAttentionBackend against a dense per-sequence reference, over scattered paged blocks."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_engine.attention.torch_backend import (
-    TorchAttentionBackend,
-    _writes_in_one_pass,
-    kernel_scratch,
-    load_kernel,
-)
+from tandem_engine.attention.cpu_backend import CpuAttentionBackend, _writes_in_one_pass
+from tandem_engine.kernels.paged_attention import kernel_scratch, load_kernel
 from tests.engine.utils import dense_causal_attention, make_meta
 
 BS = 4
@@ -45,7 +41,7 @@ def run_step(
     # Unwritten slots hold a large finite value: any weight given to one shows up in the result.
     k_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=kv_dtype)
     v_cache = torch.full((NUM_BLOCKS, bs, nkv, d), POISON, dtype=kv_dtype)
-    backend = TorchAttentionBackend(use_kernel=use_kernel)
+    backend = CpuAttentionBackend(use_kernel=use_kernel)
     keys = [torch.randn(s, nkv, d, generator=g).to(dtype) for s in seq_lens]
     vals = [(torch.randn(s, nkv, d, generator=g) * v_scale).to(dtype) for s in seq_lens]
     # Cached context, written as an earlier step would have.
@@ -136,7 +132,7 @@ def test_kernel_head_ranges_are_the_whole_rows_heads(heads: tuple[int, int, int]
     seq_lens, tables = [40, 7, 33], [[5, 30, 12], [7], [21, 9, 33]]
     meta = make_meta([1] * 3, seq_lens, tables, 16)
     q = torch.randn(3, nq, d, generator=g)
-    want = TorchAttentionBackend(use_kernel=True, cache_dir=tmp_path).forward(q, k_cache, v_cache, meta, 0.3)
+    want = CpuAttentionBackend(use_kernel=True, cache_dir=tmp_path).forward(q, k_cache, v_cache, meta, 0.3)
     got = torch.full_like(want, float("nan"))
     for r, cuts in enumerate([[0, nq], [0, 1, nq - 2, nq], [0, nq // 2, nq // 2 + 1, nq]]):
         scratch = torch.empty(kernel_scratch(nq, nkv, d, 16, seq_lens[r]))
@@ -149,7 +145,7 @@ def test_kernel_head_ranges_are_the_whole_rows_heads(heads: tuple[int, int, int]
 
 def test_plan_is_rebuilt_for_a_new_step() -> None:
     """Two consecutive steps through one backend instance must not reuse the first step's plan."""
-    backend = TorchAttentionBackend()
+    backend = CpuAttentionBackend()
     k_cache = torch.randn(NUM_BLOCKS, BS, NKV, D)
     v_cache = torch.randn(NUM_BLOCKS, BS, NKV, D)
     for seq_lens in ([3, 5], [7, 2, 9]):
@@ -184,13 +180,13 @@ def test_16_bit_model_decode_rows_take_the_kernel_in_float32(dtype: str) -> None
     k_cache, v_cache = (torch.randn(NUM_BLOCKS, 16, 3, 64, generator=g).to(dt) for _ in range(2))
     meta = make_meta([1, 5, 1], [40, 21, 7], [[5, 30, 12], [7, 2], [21]], 16)
     q = torch.randn(7, 9, 64, generator=g).to(dt)
-    kernel = TorchAttentionBackend(use_kernel=True)
+    kernel = CpuAttentionBackend(use_kernel=True)
     out = kernel.forward(q, k_cache, v_cache, meta, 0.125)
     assert out.dtype == dt
     wide = kernel.forward(q.float(), k_cache, v_cache, meta, 0.125)
     decode_rows = [0, 6]
     assert torch.equal(out[decode_rows], wide[decode_rows].to(dt))
-    torch_only = TorchAttentionBackend(use_kernel=False).forward(q, k_cache, v_cache, meta, 0.125)
+    torch_only = CpuAttentionBackend(use_kernel=False).forward(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(out[1:6], torch_only[1:6])  # the chunk's rows: the same SDPA call
     torch.testing.assert_close(out.float(), torch_only.float(), atol=2e-2, rtol=2e-2)
 
@@ -231,7 +227,7 @@ def test_float16_cache_reads_subnormal_values_exactly(use_kernel: bool) -> None:
 
 
 def test_write_rounds_to_the_cache_dtype_and_touches_only_its_slots() -> None:
-    backend = TorchAttentionBackend()
+    backend = CpuAttentionBackend()
     key, value = torch.randn(3, NKV, D) * 100, torch.randn(3, NKV, D)
     k_cache = torch.zeros(NUM_BLOCKS, BS, NKV, D, dtype=torch.bfloat16)
     v_cache = torch.zeros(NUM_BLOCKS, BS, NKV, D, dtype=torch.bfloat16)
@@ -250,7 +246,7 @@ def test_float32_write_is_index_copy_over_strided_views(tokens: int, nkv: int, d
                                                         tmp_path: Path) -> None:
     """K and V as the layer hands them over (views into one QKV row with Q in front) land in exactly
     their slots, bit for bit, with or without the C kernel's one-pass copy."""
-    backend = TorchAttentionBackend(use_kernel=use_kernel, cache_dir=tmp_path)
+    backend = CpuAttentionBackend(use_kernel=use_kernel, cache_dir=tmp_path)
     nq = 2 * nkv
     qkv = torch.randn(tokens, (nq + 2 * nkv) * d)
     key = qkv[:, nq * d : (nq + nkv) * d].view(tokens, nkv, d)
@@ -272,7 +268,7 @@ def test_float32_write_is_index_copy_over_strided_views(tokens: int, nkv: int, d
 @pytest.mark.parametrize("bad", [-1, NUM_BLOCKS * BS])
 def test_write_to_a_slot_outside_the_cache_raises_and_writes_nothing(bad: int, use_kernel: bool,
                                                                      tmp_path: Path) -> None:
-    backend = TorchAttentionBackend(use_kernel=use_kernel, cache_dir=tmp_path)
+    backend = CpuAttentionBackend(use_kernel=use_kernel, cache_dir=tmp_path)
     key, value = torch.randn(3, NKV, D), torch.randn(3, NKV, D)
     k_cache, v_cache = torch.zeros(NUM_BLOCKS, BS, NKV, D), torch.zeros(NUM_BLOCKS, BS, NKV, D)
     with pytest.raises(IndexError):
@@ -284,13 +280,13 @@ def test_write_to_a_slot_outside_the_cache_raises_and_writes_nothing(bad: int, u
 def count_prefill_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
     """The backend's calls of the C prefill kernel from now on (the kernel still runs)."""
     calls: list[tuple[object, ...]] = []
-    real = TorchAttentionBackend._run_prefill_kernel
+    real = CpuAttentionBackend._run_prefill_kernel
 
-    def counted(self: TorchAttentionBackend, *args: object) -> None:
+    def counted(self: CpuAttentionBackend, *args: object) -> None:
         calls.append(args)
         real(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(TorchAttentionBackend, "_run_prefill_kernel", counted)
+    monkeypatch.setattr(CpuAttentionBackend, "_run_prefill_kernel", counted)
     return calls
 
 

@@ -1,4 +1,4 @@
-/* tandem's weight-only matmul over a GGUF file's own quantized blocks (see gguf_linear.py, which builds it
+/* tandem's weight-only matmul over a GGUF file's own quantized blocks (see gguf_matmul.py, which builds it
  * with the system C compiler, caches the shared object per source, flags and CPU, and calls it through
  * ctypes; docs/architecture.md, "GGUF weight-only quantization").
  *
@@ -14,7 +14,7 @@
  * int8 per block of 32, as llama.cpp does, and takes integer dot products of the blocks (AVX-512 VNNI or
  * AVX2), which is what makes a decode step memory bound rather than bound by unpacking to float. Its two
  * halves are entry points of their own, tandem_gguf_quantize_x and tandem_gguf_matmul_q8_cols (a range of
- * output columns), which the fused decode step (gguf_decode.c) calls from its own threads.
+ * output columns), which the fused decode step (decode_step.c) calls from its own threads.
  *
  * Built twice from this one file: with -march=native (the AVX2/FMA/F16C path below when the CPU has them,
  * VNNI too where it has AVX-512 VNNI/VL) and without (the portable scalar path), which the tests check
@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tandem_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SIMD 1
@@ -33,7 +35,6 @@
 #define SIMD 0
 #endif
 
-enum { Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
 /* Bytes ahead of the block being read that the single-row loops (dot_rows_*) request: with one row of x a
  * weight byte is used once, so a token streams every weight from memory, and the hardware prefetcher alone
  * kept the loops waiting on it. In the engine on the AVX2 EPYC (one stream, 200 steps in turn with the
@@ -43,33 +44,24 @@ enum { Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
 #ifndef PF_DIST
 #define PF_DIST 2048
 #endif
-#define QK 32                /* weights per block */
 #define TILE 8               /* rows of x per register tile: 8 accumulators + 4 unpacked weight vectors */
 
-static int64_t block_bytes(int qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 0; }
-
-static inline float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if SIMD
-    return _cvtsh_ss(h);
-#else
-    const int e = (h >> 10) & 31, f = h & 1023;
-    const float v = e == 0 ? ldexpf((float)f, -24)                  /* zero and subnormals */
-                  : e == 31 ? (f ? NAN : INFINITY)
-                  : ldexpf((float)(f | 1024), e - 25);              /* 1.f * 2^(e - 15) */
-    return (h & 0x8000) ? -v : v;
-#endif
-}
+/* A block's scale d (the first field of both block types) and a Q4_1 block's min m, as floats; the quantized
+ * values of each type. */
+_Static_assert(offsetof(block_q8_0, d) == 0 && offsetof(block_q4_1, d) == 0, "d leads every block");
+static inline float block_d(const uint8_t *blk) { return f16_to_f32(((const block_q8_0 *)blk)->d); }
+static inline float block_m(const uint8_t *blk) { return f16_to_f32(((const block_q4_1 *)blk)->m); }
+#define Q8_QS(blk) (((const block_q8_0 *)(blk))->qs)
+#define Q4_QS(blk) (((const block_q4_1 *)(blk))->qs)
 
 /* The 32 quantized values of one block as floats (Q4_1 without its d and m). */
 static inline void unpack(const uint8_t *blk, int qtype, float q[QK]) {
     if (qtype == Q8_0) {
-        for (int j = 0; j < QK; j++) q[j] = (float)(int8_t)blk[2 + j];
+        for (int j = 0; j < QK; j++) q[j] = (float)Q8_QS(blk)[j];
     } else {
         for (int j = 0; j < QK / 2; j++) {
-            q[j] = (float)(blk[4 + j] & 15);
-            q[j + QK / 2] = (float)(blk[4 + j] >> 4);
+            q[j] = (float)(Q4_QS(blk)[j] & 15);
+            q[j + QK / 2] = (float)(Q4_QS(blk)[j] >> 4);
         }
     }
 }
@@ -78,10 +70,10 @@ static inline void unpack(const uint8_t *blk, int qtype, float q[QK]) {
 static inline void unpack8(const uint8_t *blk, int qtype, __m256 q[4]) {
     if (qtype == Q8_0) {
         for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i))));
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(Q8_QS(blk) + 8 * i))));
         return;
     }
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), mask = _mm_set1_epi8(15);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)Q4_QS(blk)), mask = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
     q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
     q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
@@ -89,12 +81,6 @@ static inline void unpack8(const uint8_t *blk, int qtype, __m256 q[4]) {
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* out[r] = x[r] . (row without its mins) for r < mr; mr is a constant at every call site, so the
  * accumulators stay in registers. */
@@ -108,7 +94,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint8_t *row, i
         const uint8_t *blk = row + b * bb;
         __m256 q[4];
         unpack8(blk, qtype, q);
-        const __m256 d = _mm256_set1_ps(fp16(blk));
+        const __m256 d = _mm256_set1_ps(block_d(blk));
         for (int r = 0; r < mr; r++) {
             const float *xr = x + r * ldx + b * QK;
             __m256 s0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
@@ -118,7 +104,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint8_t *row, i
             acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), acc[r]);
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = hsum(acc[r]);
+    for (int r = 0; r < mr; r++) out[r] = hsum_m256(acc[r]);
 }
 #else
 static inline void dot_tile(const uint8_t *row, int qtype, int64_t nb, const float *x, int64_t ldx,
@@ -129,7 +115,7 @@ static inline void dot_tile(const uint8_t *row, int qtype, int64_t nb, const flo
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         unpack(blk, qtype, q);
-        const float d = fp16(blk);
+        const float d = block_d(blk);
         for (int r = 0; r < mr; r++) {
             const float *xr = x + r * ldx + b * QK;
             float s = 0.f;
@@ -183,7 +169,7 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
             if (xsum)
                 for (int r = 0; r < mr; r++) {
                     const float *xs = xsum + (r0 + r) * nb;
-                    for (int64_t b = 0; b < nb; b++) out[r] += fp16(row + b * bb + 2) * xs[b];
+                    for (int64_t b = 0; b < nb; b++) out[r] += block_m(row + b * bb) * xs[b];
                 }
             for (int r = 0; r < mr; r++) y[(r0 + r) * ldy + i] = out[r];
         }
@@ -202,7 +188,7 @@ int tandem_gguf_matmul(const float *x, int64_t ldx, int64_t m, const uint8_t *w,
  *   Q4_1:  y += d_w * d_x * sum(q_w q_x) + m_w * s_x       (q_w the unsigned nibbles 0..15)
  * The integer sum of a block is taken in 8 lanes of 4 products each (bytes 4l..4l+3 in lane l), each lane
  * converted to float and accumulated as fma(lane, d_w * d_x, acc_l) over the blocks; the 8 lanes are added
- * at the end in one fixed order (hsum8), Q4_1's m_w * s_x terms in a sum beside them. The SIMD paths and
+ * at the end in one fixed order (hsum8, tandem_kernels.h), Q4_1's m_w * s_x terms in a sum beside them. The SIMD paths and
  * the portable one follow exactly these steps, so every build gives the same floats (and so does any
  * thread count):
  *   AVX-512 VNNI (+VL):  _mm256_dpbusd_epi32, 32 u8 x s8 products summed into 8 int32 lanes at once;
@@ -317,11 +303,6 @@ void tandem_gguf_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, i
     }
 }
 
-/* The 8 lanes added as hsum() adds them: (l0+l4 + l2+l6) + (l1+l5 + l3+l7). */
-static inline float hsum8(const float a[8]) {
-    const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
-    return (s0 + s2) + (s1 + s3);
-}
 
 /* Rows r < mr of the quantized x against one weight row: out[r] = the sum over blocks of d_w d_x sum(q_w q_x),
  * mins[r] = the sum of m_w s_x (Q4_1). mr is a constant at every call site. (Splitting a few rows' blocks
@@ -343,7 +324,7 @@ static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, i
     if (qtype == Q4_1) {
         /* the 16 bytes in both halves; the upper half shifted right by 4 (64 bits at a time: what crosses
          * into a byte from its neighbour is masked off), so the vector holds q_0 .. q_31 in order */
-        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)Q4_QS(blk)));
         const __m256i wu = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
         int32_t dm_bits;
         memcpy(&dm_bits, blk, 4);
@@ -358,8 +339,8 @@ static inline __attribute__((always_inline)) void block_q8(const uint8_t *blk, i
         /* every row's m_w * s_x at once (a separate multiply and add, as the portable path rounds them) */
         *mins = _mm256_add_ps(*mins, _mm256_mul_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s + b * ms)));
     } else {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), wu = _mm256_abs_epi8(w);
-        const __m256 dw = _mm256_set1_ps(fp16(blk));
+        const __m256i w = _mm256_loadu_si256((const __m256i *)Q8_QS(blk)), wu = _mm256_abs_epi8(w);
+        const __m256 dw = _mm256_set1_ps(block_d(blk));
         for (int r = 0; r < mr; r++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (r * nb + b) * QK));
             const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(wu, _mm256_sign_epi8(xv, w)));
@@ -397,10 +378,10 @@ static inline void dot_tile_q8(const uint8_t *row, int qtype, int64_t nb, const 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         if (qtype == Q8_0)
-            for (int j = 0; j < QK; j++) qw[j] = (int8_t)blk[2 + j];
+            for (int j = 0; j < QK; j++) qw[j] = Q8_QS(blk)[j];
         else
-            for (int j = 0; j < QK / 2; j++) qw[j] = blk[4 + j] & 15, qw[j + QK / 2] = blk[4 + j] >> 4;
-        const float dw = fp16(blk), mw = qtype == Q4_1 ? fp16(blk + 2) : 0.f;
+            for (int j = 0; j < QK / 2; j++) qw[j] = Q4_QS(blk)[j] & 15, qw[j + QK / 2] = Q4_QS(blk)[j] >> 4;
+        const float dw = block_d(blk), mw = qtype == Q4_1 ? block_m(blk) : 0.f;
         for (int r = 0; r < mr; r++) {
             const int8_t *xq = q + (r * nb + b) * QK;
             const float dd = dw * d[r * nb + b];
@@ -438,7 +419,7 @@ static inline __attribute__((always_inline)) void dot_rows_q4_1(const uint8_t *r
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = row0 + i * row_bytes + b * bb;
             _mm_prefetch((const char *)blk + PF_DIST, _MM_HINT_T0);
-            const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+            const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)Q4_QS(blk)));
             const __m256i wu = _mm256_and_si256(_mm256_srlv_epi64(raw, shift), low);
             int32_t dm_bits;
             memcpy(&dm_bits, blk, 4);
@@ -470,9 +451,9 @@ static inline __attribute__((always_inline)) void dot_rows_q8_0(const uint8_t *r
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = row0 + i * row_bytes + b * bb;
             _mm_prefetch((const char *)blk + PF_DIST, _MM_HINT_T0);
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i w = _mm256_loadu_si256((const __m256i *)Q8_QS(blk));
             const __m256 lanes = _mm256_cvtepi32_ps(dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)));
-            acc[i] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(fp16(blk) * dx), acc[i]);
+            acc[i] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(block_d(blk) * dx), acc[i]);
         }
     }
     for (int i = 0; i < R; i++) {
@@ -567,7 +548,7 @@ int tandem_gguf_dequantize(const uint8_t *w, int qtype, int64_t k, const int64_t
             const uint8_t *blk = row + b * bb;
             float q[QK];
             unpack(blk, qtype, q);
-            const float d = fp16(blk), mn = qtype == Q4_1 ? fp16(blk + 2) : 0.f;
+            const float d = block_d(blk), mn = qtype == Q4_1 ? block_m(blk) : 0.f;
             float *o = out + i * k + b * QK;
             if (qtype == Q4_1)
                 for (int j = 0; j < QK; j++) o[j] = d * q[j] + mn;

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV, cpu_flags
-from tandem_engine.models.gguf_linear import (
+from tandem_engine.kernels.gguf_matmul import (
     DENSE_FROM_ROWS,
     GGUFEmbedding,
     GGUFKernel,

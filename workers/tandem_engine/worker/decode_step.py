@@ -4,16 +4,16 @@
 Run op by op, a decode step of SmolLM2 is ~150 OpenMP parallel regions (every projection, norm, activation
 and attention call of 30 layers), a prefill chunk ~300, and as many trips through Python and torch's
 dispatch, and since an engine waits passively (cpu_budget.py: an idle engine must not spin) each region wakes
-sleeping threads. `FusedDecodeStep` runs every layer of a step (decode rows, prefill chunks or both), up to
-the final norm, in one region of `gguf_decode.c`, which calls the kernels the op-by-op path calls (the fused
+sleeping threads. `DecodeStep` runs every layer of a step (decode rows, prefill chunks or both), up to
+the final norm, in one region of `decode_step.c`, which calls the kernels the op-by-op path calls (the fused
 norm and SiLU rows, the paged attention of decode rows and the tiled attention of prefill chunks) and a
 matmul given as two entry points (`StepMatmuls`): the int8 GGUF kernel (`gguf_matmuls`: both paths give the
-same floats), the float32 panel kernel (`dense_matmuls`, models/dense_matmul.py: the same sums as oneDNN's
+same floats), the float32 panel kernel (`dense_matmuls`, kernels/panel_matmul.py: the same sums as oneDNN's
 in another order), or, for a bfloat16 model on a CPU with AMX, the bfloat16 tile kernel (`amx_matmuls`,
-models/amx_matmul.py: the step keeps the residual stream, norms and RoPE in float32, rounding only the
+kernels/amx_matmul.py: the step keeps the residual stream, norms and RoPE in float32, rounding only the
 matmul inputs and the KV cache to bfloat16, so it is nearer to float32 than op by op). A dense float32 step
 of AMX_F32_FROM_ROWS rows or more takes the float32 AMX kernel instead where the model has its copies
-(`amx_f32_matmuls`, models/amx_matmul.py: float32 arithmetic over the GGUF blocks). The embedding
+(`amx_f32_matmuls`, kernels/amx_matmul.py: float32 arithmetic over the GGUF blocks). The embedding
 lookup and the head stay where they are (the head is one more region).
 
 `fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
@@ -35,66 +35,29 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from gguf import GGMLQuantizationType
 
+from tandem_engine.attention.cpu_backend import KERNEL_MAX_QUERY_LEN, CpuAttentionBackend
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
-from tandem_engine.attention.torch_backend import (
-    KERNEL_KV_TYPES,
-    KERNEL_MAX_QUERY_LEN,
-    TorchAttentionBackend,
-    kernel_scratch,
+from tandem_engine.kernels.amx_matmul import AMX_F32_FROM_ROWS, BF16, AmxKernel, amx_unfit, load_amx_kernel
+from tandem_engine.kernels.decode_step import (
+    PROJECTIONS,
+    CKernels,
+    CLayer,
+    CModel,
+    CPart,
+    CProj,
+    CStep,
+    load_decode_kernel,
+    p_,
 )
-from tandem_engine.kernels.build import base_flags, try_build
-from tandem_engine.models.amx_matmul import AMX_F32_FROM_ROWS, BF16, AmxKernel, amx_unfit, load_amx_kernel
-from tandem_engine.models.dense_matmul import F32, FLOAT_PANELS_FROM_ROWS, DenseBlocks, DenseKernel, load_dense_kernel
-from tandem_engine.models.gguf_linear import GGUFLinear
+from tandem_engine.kernels.gguf_matmul import GGUFLinear
+from tandem_engine.kernels.paged_attention import KERNEL_KV_TYPES, kernel_scratch
+from tandem_engine.kernels.panel_matmul import F32, FLOAT_PANELS_FROM_ROWS, DenseBlocks, PanelKernel, load_panel_kernel
 from tandem_engine.models.gguf_quantized import dense_blocks
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-_SRC = (Path(__file__).parent / "gguf_decode.c").read_text()
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # in gguf_decode.c's layer_t order
-
-p_, i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-# The structures of gguf_decode.c, field for field.
-class _Part(ctypes.Structure):
-    _fields_ = [("data", p_), ("rows", i64), ("qtype", i64)]
-
-
-class _Proj(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(_Part)), ("n_parts", i64), ("cols", i64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [*((name, _Proj) for name in _PROJECTIONS), ("post_attn_norm", p_), ("next_norm", p_)]
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = [(name, p_) for name in ("quantize", "matmul_cols", "add_rms_norm_row", "silu_mul_row",
-                                        "attention_heads", "prefill_attention_item", "matmul_rows")]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("k", _Kernels), ("layers", ctypes.POINTER(_Layer)),
-                *((name, i64) for name in ("n_layers", "hidden", "inter", "nq", "nkv", "d")),
-                ("first_norm", p_), ("rope_cos", p_), ("rope_sin", p_), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("col_align", i64), ("row_block_bytes", i64)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("m", i64), *((name, p_) for name in ("x", "h", "positions", "slots", "klens", "table")),
-                ("table_stride", i64), ("bs", i64), ("kv_type", i64),
-                *((name, p_) for name in ("kv", "qkv", "attn", "o", "gu", "act", "down", "xq", "scratch")),
-                ("scratch_per_thread", i64), ("phase_ns", p_), ("pf_items", i64),
-                *((name, p_) for name in ("pf_seq_ids", "pf_q_starts", "pf_q_lens", "pf_seq_lens", "pf_table")),
-                ("pf_table_stride", i64)]
-
-
-# gguf_decode.c's phases, in step_t.phase_ns order.
-PHASES = ("qkv_rope_kv_write", "attention", "attention_out", "o", "norm_residual", "gate_up", "activation", "down")
-
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _KV_NAMES = ", ".join(str(t).removeprefix("torch.") for t in KERNEL_KV_TYPES)  # the cache types the step takes
@@ -103,7 +66,7 @@ _KV_NAMES = ", ".join(str(t).removeprefix("torch.") for t in KERNEL_KV_TYPES)  #
 @dataclass(frozen=True)
 class StepMatmuls:
     """What a fused step's projections run on: the int8 GGUF kernel (gguf_matmul.c) or the float32 panel
-    kernel (dense_matmul.c), each as a pair of entry points, `quantize` (x into the kernel's buffer) and
+    kernel (panel_matmul.c), each as a pair of entry points, `quantize` (x into the kernel's buffer) and
     `matmul_cols` (a range of output columns from it)."""
 
     kind: str  # what the startup log names
@@ -113,13 +76,13 @@ class StepMatmuls:
     row_limit: int  # steps of this many rows or more run op by op
     # and steps with a prefill chunk of this many rows or more (where op by op has a faster matmul)
     chunk_row_limit: int
-    # per layer, per projection (gguf_decode.c's layer_t order): its parts (tensor, rows, qtype) and columns
+    # per layer, per projection (decode_step.c's layer_t order): its parts (tensor, rows, qtype) and columns
     layers: list[dict[str, tuple[list[tuple[torch.Tensor, int, int]], int]]]
 
 
 def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
     """The step's matmuls over the GGUF blocks of `model`'s projections (checked by `_unfit`)."""
-    linears = [{name: cast(GGUFLinear, cast(DecoderLayer, layer).quantized[name]) for name in _PROJECTIONS}
+    linears = [{name: cast(GGUFLinear, cast(DecoderLayer, layer).quantized[name]) for name in PROJECTIONS}
                for layer in model.layers]
     kernel = linears[0]["qkv"].kernel
     rows = min(p.dense_from_rows for lin in linears for p in lin.values())
@@ -131,7 +94,7 @@ def gguf_matmuls(model: LlamaForCausalLM) -> StepMatmuls:
          for layer in linears])
 
 
-def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlocks | None,
+def dense_matmuls(model: LlamaForCausalLM, kernel: PanelKernel, blocks: DenseBlocks | None,
                   keep_floats: bool = False) -> StepMatmuls:
     """The step's matmuls over panel copies of `model`'s projections (made here, once: use_panels), kept in
     the GGUF blocks the weights were dequantized from where `blocks` has them (the same floats), with float
@@ -141,7 +104,7 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlo
     panels = [p for layer in layers for p in layer.panels.values()]
     if model.panel_head is not None:
         panels.append(model.panel_head)
-    kinds = Counter(_PANEL_TYPES.get(p.qtype, str(p.qtype)) for p in panels)
+    kinds = Counter("float32" if p.qtype == F32 else GGMLQuantizationType(p.qtype).name for p in panels)
     for why in sorted({p.why_float for p in panels if p.why_float}):
         logger.warning("float32 panels for a projection whose GGUF blocks the kernel cannot keep: %s", why)
     kind = "float32 panel matmuls, weights in " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + " panels"
@@ -149,7 +112,7 @@ def dense_matmuls(model: LlamaForCausalLM, kernel: DenseKernel, blocks: DenseBlo
                                          for layer in layers])
 
 
-def _panel_matmuls(kind: str, kernel: DenseKernel, layers: list[dict[str, tuple[torch.Tensor, int, int]]],
+def _panel_matmuls(kind: str, kernel: PanelKernel, layers: list[dict[str, tuple[torch.Tensor, int, int]]],
                    ) -> StepMatmuls:
     """The panel kernel's StepMatmuls over `layers`' panels (per projection: panels, columns, qtype)."""
     # Prefill chunks op by op run on the panels up to the kernel's max_rows, on oneDNN past them (faster there).
@@ -163,7 +126,7 @@ def float_panel_matmuls(model: LlamaForCausalLM) -> StepMatmuls | None:
     `floats`), for steps of FLOAT_PANELS_FROM_ROWS rows or more; None unless every projection keeps them."""
     layers = [cast(DecoderLayer, layer).panels for layer in model.layers]
     floats = [{name: p.floats for name, p in panels.items() if p.floats is not None} for panels in layers]
-    if any(len(f) != len(_PROJECTIONS) for f in floats):
+    if any(len(f) != len(PROJECTIONS) for f in floats):
         return None
     return _panel_matmuls("float32 panel matmuls over the same weights in float32 panels", layers[0]["qkv"].kernel,
                           [{name: (f[name], p.out_features, F32) for name, p in panels.items()}
@@ -176,7 +139,7 @@ def amx_f32_matmuls(model: LlamaForCausalLM, kernel: AmxKernel, blocks: DenseBlo
     if blocks is not None:
         model.use_amx_f32(kernel, blocks)
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    if any(len(layer.amx_f32) != len(_PROJECTIONS) for layer in layers):
+    if any(len(layer.amx_f32) != len(PROJECTIONS) for layer in layers):
         return None
     return StepMatmuls("float32 AMX matmuls over the same blocks", kernel.f32_entries, kernel.f32_x_bytes,
                        kernel.tile_cols, DENSE_ROW_LIMIT, DENSE_ROW_LIMIT,
@@ -194,14 +157,13 @@ def amx_matmuls(model: LlamaForCausalLM, kernel: AmxKernel) -> StepMatmuls:
                                           for name, a in layer.amx.items()} for layer in layers])
 
 
-_PANEL_TYPES = {F32: "float32", 3: "Q4_1", 8: "Q8_0"}  # names of dense_matmul.c's panel types
 
 
 # Dense steps of any size run fused (the panel kernel is ahead of oneDNN from one row to hundreds).
 DENSE_ROW_LIMIT = 1 << 20
 
 # A step on a kernel that takes row ranges (the float32 AMX kernel) cuts its rows into blocks whose split x
-# (6 bytes a value) is at most this for o, gate|up and down, twice it for q|k|v (gguf_decode.c, row_block).
+# (6 bytes a value) is at most this for o, gate|up and down, twice it for q|k|v (decode_step.c, row_block).
 # All rows at once, the whole split x was read again from L3 for each run of output columns; a block stays in
 # L2 while the weights pass. In one-call prefill steps of 512 tokens (SmolLM2, 2 threads of the AVX-512 Xeon,
 # three alternating runs each): down 71-78 ms a step against 53-55 cut at 1 MB, gate|up 94-105 against
@@ -211,16 +173,16 @@ DENSE_ROW_LIMIT = 1 << 20
 ROW_BLOCK_BYTES = 1 << 20
 
 
-class FusedDecodeStep:
+class DecodeStep:
     """A step of `model` in one call: x [T, hidden] (the embedded tokens: decode rows and prefill chunks)
     through every layer and the final norm, the projections on `matmuls`, or on `large`'s matmuls for steps of
     at least its rows. `row_entries`: the fused row kernels' entry points (FusedOps.row_entries); `attention`:
     the backend whose C kernel attends (its step_entries and prefill_work)."""
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, matmuls: StepMatmuls, row_entries: dict[str, int],
-                 attention: TorchAttentionBackend, large: tuple[int, StepMatmuls] | None = None) -> None:
-        self._fn = lib.tandem_gguf_decode
-        self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
+                 attention: CpuAttentionBackend, large: tuple[int, StepMatmuls] | None = None) -> None:
+        self._fn = lib.tandem_decode_step
+        self._fn.argtypes = [ctypes.POINTER(CModel), ctypes.POINTER(CStep), ctypes.c_int]
         self._fn.restype = ctypes.c_int
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         first = layers[0]
@@ -252,20 +214,20 @@ class FusedDecodeStep:
         # None, or int64 [len(PHASES)] that every step adds each phase's nanoseconds to (bench/profile_step.py)
         self.phase_ns: torch.Tensor | None = None
 
-    def _c_model(self, model: LlamaForCausalLM, matmuls: StepMatmuls) -> _Model:
-        """gguf_decode.c's model_t for `model` with its projections on `matmuls`."""
+    def _c_model(self, model: LlamaForCausalLM, matmuls: StepMatmuls) -> CModel:
+        """decode_step.c's model_t for `model` with its projections on `matmuls`."""
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         first = layers[0]
         # The step computes in float32: a bfloat16 model takes it only after `use_amx` (amx_matmuls) widened its
         # norms and RoPE tables and made float32 its activations' dtype.
         next_norms = [layer.input_norm for layer in layers[1:]] + [model.norm]
-        table = (_Layer * len(layers))(*(
-            _Layer(*(self._proj(*projs[name]) for name in _PROJECTIONS), layer.post_attn_norm.data_ptr(),
+        table = (CLayer * len(layers))(*(
+            CLayer(*(self._proj(*projs[name]) for name in PROJECTIONS), layer.post_attn_norm.data_ptr(),
                    norm.data_ptr())
             for layer, projs, norm in zip(layers, matmuls.layers, next_norms, strict=True)))
         entries = {**matmuls.entries, **self._row_entries, **self._attention_entries}
         self._keep.append(table)
-        return _Model(_Kernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv, self.d,
+        return CModel(CKernels(**entries), table, len(layers), self.hidden, self.inter, self.nq, self.nkv, self.d,
                       first.input_norm.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), first.eps,
                       first.scale, matmuls.col_align, ROW_BLOCK_BYTES)
 
@@ -279,10 +241,10 @@ class FusedDecodeStep:
         k = max(self._widths["attn"], self.hidden, self.inter)
         self._xq = torch.zeros(max(x_bytes(rows, k) for _, _, x_bytes in self._models), dtype=torch.uint8)
 
-    def _proj(self, parts: list[tuple[torch.Tensor, int, int]], cols: int) -> _Proj:
-        table = (_Part * len(parts))(*(_Part(data.data_ptr(), rows, qtype) for data, rows, qtype in parts))
+    def _proj(self, parts: list[tuple[torch.Tensor, int, int]], cols: int) -> CProj:
+        table = (CPart * len(parts))(*(CPart(data.data_ptr(), rows, qtype) for data, rows, qtype in parts))
         self._keep.append((table, [data for data, _, _ in parts]))
-        return _Proj(table, len(parts), cols)
+        return CProj(table, len(parts), cols)
 
     def refusal(self, meta: AttentionMetadata, kv_caches: KVCaches) -> str | None:
         """Why this step runs op by op, or None: it runs fused."""
@@ -300,7 +262,7 @@ class FusedDecodeStep:
         return None
 
     def _kv_pointers(self, kv_caches: KVCaches) -> ctypes.Array[ctypes.c_void_p]:
-        """Every layer's K and V cache, as gguf_decode.c's step_t.kv (kept while the runner passes the same list)."""
+        """Every layer's K and V cache, as decode_step.c's step_t.kv (kept while the runner passes the same list)."""
         if self._kv is None or self._kv[0] is not kv_caches:
             dtype = kv_caches[0][0].dtype
             if dtype not in KERNEL_KV_TYPES or not all(
@@ -326,7 +288,7 @@ class FusedDecodeStep:
             klens, row_table, pf_items = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64), table, 0
             chunk: list[torch.Tensor | None] = [None] * 4
         else:
-            # As op by op (TorchAttentionBackend): the rows of a sequence of up to KERNEL_MAX_QUERY_LEN new tokens
+            # As op by op (CpuAttentionBackend): the rows of a sequence of up to KERNEL_MAX_QUERY_LEN new tokens
             # attend one by one, each to the keys up to its own; longer chunks through the tiled prefill
             # kernel (their rows' klens 0).
             q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
@@ -343,7 +305,7 @@ class FusedDecodeStep:
         if self._scratch.numel() < threads * per_thread:
             self._scratch = torch.empty(threads * per_thread)
         w = self._work
-        step = _Step(m, x.data_ptr(), h.data_ptr(), positions.data_ptr(), slots.data_ptr(), klens.data_ptr(),
+        step = CStep(m, x.data_ptr(), h.data_ptr(), positions.data_ptr(), slots.data_ptr(), klens.data_ptr(),
                      row_table.data_ptr(), row_table.stride(0), bs, kv_type,
                      ctypes.cast(self._kv_pointers(kv_caches), p_), w["qkv"].data_ptr(), w["attn"].data_ptr(),
                      w["o"].data_ptr(), w["gu"].data_ptr(), w["act"].data_ptr(), w["down"].data_ptr(),
@@ -368,7 +330,7 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
         return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (--kv-cache-dtype; fused: {_KV_NAMES})"
     if model.ops.row_entries is None:
         return "the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
-    if not isinstance(backend, TorchAttentionBackend) or backend.step_entries is None:
+    if not isinstance(backend, CpuAttentionBackend) or backend.step_entries is None:
         return "the C attention kernel is off (--no-cpu-attention-kernel, or no C compiler)"
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     if any(layer.qk_norm for layer in layers):
@@ -387,13 +349,6 @@ def _unfit(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.d
             if bias is not None:
                 return f"a {name} projection with a bias"
     return None
-
-
-def load_decode_kernel(cache_dir: Path) -> ctypes.CDLL | None:
-    """The fused decode step's C kernel, built once under `cache_dir` (kernels/build.py); None, with a
-    warning, when it cannot be."""
-    return try_build("gguf_decode", _SRC, (*base_flags(), "-ffp-contract=off"), cache_dir,
-                     "decode steps run op by op")
 
 
 def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dtype: torch.dtype,
@@ -419,7 +374,7 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
             return "the bfloat16 AMX kernel did not build or may not run"
         matmuls = amx_matmuls(model, amx)
     else:
-        dense = load_dense_kernel(cache_dir)
+        dense = load_panel_kernel(cache_dir)
         if dense is None:
             return "the float32 panel kernel did not build"
         first = cast(DecoderLayer, model.layers[0])
@@ -435,5 +390,5 @@ def fuse_decode_steps(model: LlamaForCausalLM, backend: AttentionBackend, kv_dty
             large = FLOAT_PANELS_FROM_ROWS, floats
     row_entries = model.ops.row_entries
     assert row_entries is not None
-    model.decode_step = FusedDecodeStep(lib, model, matmuls, row_entries, cast(TorchAttentionBackend, backend), large)
+    model.decode_step = DecodeStep(lib, model, matmuls, row_entries, cast(CpuAttentionBackend, backend), large)
     return None
