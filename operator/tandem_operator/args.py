@@ -176,5 +176,5 @@ def config_hash(spec: InferenceServiceSpec) -> str:
 
 def engine_revision(spec: InferenceServiceSpec, digest: str) -> str:
     """What a prefill and a decode engine must share to move KV between them: the shared configuration (its
-    hash) and the image. The router pairs engines of one revision only (docs/operations.md, rollouts)."""
+    hash) and the image. The router pairs engines of one revision only (docs/operations.md, "Upgrades")."""
     return hashlib.sha256(f"{digest}/{spec.engine.image}".encode()).hexdigest()[:12]

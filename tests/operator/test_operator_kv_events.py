@@ -1,6 +1,6 @@
 """Engine KV events on Kubernetes: every engine pod publishes them on a reachable address, declares their ports
 on the container and the Service, and the CRD and the operator refuse the same port collisions
-(docs/crd-reference.md, docs/contracts.md "KV events")."""
+(docs/crd-reference.md; docs/contracts.md, "KV events")."""
 
 from __future__ import annotations
 

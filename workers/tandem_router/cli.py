@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.load_factor,
         help="bounded load: an endpoint takes at most this times the mean in-flight requests",
     )
-    score = p.add_argument_group("prefix-aware scoring (docs/operations.md, Routing)")
+    score = p.add_argument_group('prefix-aware scoring (docs/operations.md, "Routing")')
     score.add_argument("--prefix-weight", type=float, default=d.prefix_weight,
                        help="score per unit of the prompt's cached fraction on a candidate")
     score.add_argument("--queue-weight", type=float, default=d.queue_weight,
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="endpoints tried per request before the first byte")
     p.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="times a broken answer is resumed on another engine (0: never)")
-    adm = p.add_argument_group("overload control (docs/operations.md, Overload)")
+    adm = p.add_argument_group('overload control (docs/operations.md, "Overload")')
     adm.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=d.admission_control,
                      help="bound requests per decode endpoint, queue the rest by priority, answer 429 beyond")
     adm.add_argument("--max-in-flight-per-endpoint", type=int, default=d.max_in_flight_per_endpoint,

@@ -71,7 +71,7 @@ class Int8Linear:
 # x86 features with which oneDNN's int8 matmul (`torch._int_mm`) has a fast kernel. Without any of them it
 # ran at 2.6-2.8 GOP/s on an AVX2-only AMD EPYC, where float32 matmuls run at 47-66 GFLOP/s: single-stream
 # decode 10 tok/s against dense's 18-19, a 256-token prompt's first token 14.7 s against 1.0
-# (docs/benchmarks.md, vs_llama_cpp_amd).
+# (docs/benchmarks.md, "`vs_llama_cpp.py`").
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 Q8_0 = int(GGMLQuantizationType.Q8_0)
 Q8_0_BLOCK = BLOCKS[Q8_0][0]  # weights per block
