@@ -1,22 +1,7 @@
-"""KV-cache events: what an engine's prefix cache gains and loses, published for routers.
-
-The messages have vLLM's shape (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, batched per engine
-step) so that a router can keep an exact index of which engine holds which block hash. The wire (see
-docs/contracts.md, "KV events"):
-
-- PUB socket, one multipart message per batch: `[topic, seq, payload]`; `seq` is an 8-byte big-endian
-  counter starting at 0, `payload` a msgpack `KVEventBatch`.
-- ROUTER replay socket: a DEALER/REQ client sends `[b"", seq]`; the engine answers every buffered batch
-  from that sequence number on as `[b"", seq, payload]`, then `[b"", END_SEQ, b""]`. When batches from
-  `seq` on have already left the buffer, it answers one snapshot instead: a batch numbered like the last
-  one published, holding `AllBlocksCleared` and one `BlockStored` with every block hash the cache holds
-  (not a chain: no parent, no token ids), so a subscriber of any age can rebuild the exact state.
-
-A subscriber that sees a gap in `seq` asks the replay socket for the missing batches; a new `engine_id`
-(it carries a boot nonce) means the engine restarted with an empty cache. An idle publisher sends an
-empty batch every second, so both are noticed without waiting for traffic. A batch also carries the
-engine's load (`EngineLoad`) whenever its running or waiting count, or its KV usage by a percent point,
-changed in the step: routers read queues from it.
+"""KV-cache events: what an engine's prefix cache gains and loses (vLLM's `BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`, batched per step, with the engine's load), published on a PUB socket with a replay socket
+for gaps, so that a router can keep an exact index of which engine holds which block (docs/contracts.md,
+"KV events": the wire, the replay and the snapshot).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Matmuls on AMX tiles (amx_matmul.c), on CPUs with AMX-BF16: the fused decode step (decode_step.py) calls
-them from its own threads, and `matmul` / `f32_matmul` run one whole (the op-by-op path, the head, the tests).
-
-bfloat16, for a bfloat16 model: `pack_amx` copies a bfloat16 [n, k] weight once into panels of 16 output
-columns, each a run of k / 32 weight tiles as AMX's tile product reads them; x is rounded to bfloat16 (as
-torch rounds) and the products add into float32 sums. oneDNN's bf16 matmul at a decode step's 32 rows ran at
-318 GFLOP/s through F.linear and 443 with prepacked weights on 2 cores of an AVX-512 Xeon with AMX; this
-kernel streams the weights at close to the memory's rate (docs/architecture.md, "bfloat16 models on AMX").
-
-float32, for a float32 model from a GGUF file (`AmxBlockLinear`): every weight is d * q (+ m) of its Q4_1 or
-Q8_0 block, q exact in bfloat16, and x is split exactly into three bfloat16 parts, so the tile products are
-exact and every sum float32: float32 arithmetic at the tile unit's rate, for matmuls of AMX_F32_FROM_ROWS
-rows or more (docs/architecture.md, "float32 matmuls on AMX").
+"""Matmuls on AMX tiles (amx_matmul.c), on CPUs with AMX-BF16: bfloat16 weights packed once into panels of
+tiles for a bfloat16 model, and exact float32 over a GGUF model's blocks (x split into three bfloat16 parts)
+for matmuls of AMX_F32_FROM_ROWS rows or more; the whole-step kernel calls them from its own threads
+(docs/architecture.md, "bfloat16 models on AMX" and "float32 matmuls on AMX").
 """
 
 from __future__ import annotations

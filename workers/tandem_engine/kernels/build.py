@@ -1,18 +1,7 @@
-"""Builds the engine's small C kernels with the system C compiler and loads them through ctypes.
-
-A kernel is built once per source text, compiler flags and CPU (-march=native code must not be reused on
-another CPU, as a shared home or a baked image would), cached as `<cache_dir>/kernels/<name>_<key>.so`;
-when `cache_dir` is read-only (a cache baked into an image) a missing kernel is built under
-config.build_dir's. `TANDEM_CPU_KERNEL_MARCH=x86-64-v3` builds for a named ISA level instead of this CPU
-(what an image's build does), keyed on the level and loaded only on a CPU with that level's features; a
-list (`x86-64-v4,x86-64-v3`, the image's) names levels in order of preference, and an engine uses the
-first its CPU has: `prepare.py` builds them all (`compile_for_level`: compiled, not loaded, for a level
-the building CPU may lack).
-Compiling and linking are separate steps so that a kernel compiled with -ffast-math is not linked with
-the start-up code that switches the loading thread to flush denormals to zero: loading a kernel never
-changes the numerics of torch's own ops. Kernels are threaded with OpenMP and need `libgomp.so.1`; torch
-has already loaded its own copy under that name, so they run on torch's thread pool, not a second one
-(docs/architecture.md, "CPU kernels").
+"""Builds the engine's C kernels with the system C compiler, caches each per source, flags and CPU (or named ISA
+level: an image's x86-64-v4,x86-64-v3), outside a read-only cache, and loads them through ctypes on torch's
+OpenMP pool; compiling and linking apart, so that no kernel's -ffast-math start-up code changes torch's
+numerics (docs/architecture.md, "CPU kernels").
 """
 
 from __future__ import annotations

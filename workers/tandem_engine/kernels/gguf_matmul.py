@@ -1,16 +1,7 @@
-"""Projections over a GGUF file's own Q4_1/Q8_0 blocks (`--quantization gguf`; docs/architecture.md,
+"""Projections over a GGUF file's own Q4_1/Q8_0 blocks (`--quantization gguf`): a few rows on gguf_matmul.c,
+which reads each block once inside the matmul with int8 activations per block of 32 (as llama.cpp), so a
+decode step is bound by memory; many rows dequantize once per call into torch's matmul (docs/architecture.md,
 "GGUF weight-only quantization").
-
-A few rows (a decode step of one to a handful of sequences) go through the C kernel of gguf_matmul.c,
-which reads each block once inside the matmul: a decode step streams a fifth (Q4_1) or a bit over a
-quarter (Q8_0) of the bytes of the float32 weights. By default (`int8_activations`) the kernel first
-quantizes each row of x to int8 per block of 32 (d = max|x| / 127, as llama.cpp does for these types) and
-takes integer dot products of the blocks (AVX-512 VNNI or AVX2): this changes the numerics slightly (x
-rounded to 8 bits; quality is checked by perplexity against llama.cpp, bench/vs_llama_cpp.py) and is what
-makes a decode step bound by memory rather than by unpacking blocks to float. `int8_activations=False`
-keeps x in float32 (the kernel's reference path). Many rows (a prefill chunk) dequantize the weight into a
-float32 scratch matrix once per call and run torch's matmul, whose GEMM then amortises the unpacking over
-every row; x stays float32 there.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""float32 matmuls over weights packed into panels of 16 output columns (panel_matmul.c), for the dense
-path's decode steps: the fused decode step (decode_step.py) calls them from its own threads, and `matmul`
-runs one whole, for the tests and the head.
-
-`pack_panels` copies a [n, k] weight once into [ceil(n / 16), k, 16]; every output is one chain of fused
-multiply-adds in k order (the same floats on every build of the kernel). Faster than oneDNN's packed matmul
-for the short, wide matmuls of a decode step (1.2-1.3x at 32 rows on an AVX2 EPYC), so decode steps run on
-it; prefill keeps oneDNN (packed_linear.py).
-
-A model loaded from a GGUF file holds the floats its Q4_1 and Q8_0 blocks dequantize to, so its panels can
-keep those blocks instead (`pack_block_panels`): the kernel unpacks them to the same floats inside the
-matmul (d * q is exact in float32), and a decode step streams 0.625 or 1.06 bytes a weight instead of 4.
-`PanelLinear` packs them where it is given the blocks and keeps them only if they unpack to its weight bit
-for bit. On the AVX2 build it keeps the float panels beside them for matmuls of FLOAT_PANELS_FROM_ROWS rows or
-more, where unpacking costs more than the smaller read saves (docs/architecture.md, "Float panels beside the
-blocks").
+"""float32 matmuls over weights packed once into panels of 16 output columns (panel_matmul.c), faster than
+oneDNN's for a decode step's short, wide matmuls: the whole-step kernel calls them from its own threads. A
+GGUF model's panels keep its Q4_1/Q8_0 blocks instead where they unpack to the same floats, so a step streams
+a fifth or a quarter of the bytes (docs/architecture.md, "Dense decode steps in one call" and "Float panels
+beside the blocks").
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-"""Weight quantization of the decoder's projections, chosen with `--quantization`
-(docs/architecture.md, "Quantization").
-
-int8 is W8A8 dynamic quantization with torch's own int8 matmul (`torch._int_mm`, oneDNN on CPU): each
-projection's weight is quantized once at load time, symmetrically per output channel to [-127, 127]; at
-run time each row (token) of the activations is quantized symmetrically to int8 with its own scale, the
-product is summed exactly in int32 and rescaled to float32. The dense float32 copies of the projections
-are dropped. Embeddings, norms and the LM head stay dense: the head's logits decide every greedy token,
-and the embedding is a row gather, not a matmul.
-
-Why not fbgemm's `quantized::linear_dynamic` (torch's dynamic Linear): it quantizes a whole step's
-activations with one scale, so the outlier activations of a prompt's first token coarsen every other
-row of the step. On SmolLM2 that raised the perplexity of a ~2,900-token text, prefilled in 512-token
-chunks, from 17.2 to 29.9 (7-bit activations, as torch runs it on x86) or 21.2 (8-bit); per-token
-scales give 17.7 (bench/quantization.py).
-
-Where torch's int8 matmul is slow (an x86 CPU without an int8 dot-product instruction: it ran 20x slower
-than float32 on an AVX2-only EPYC), int8 takes the layout of GGUF's Q8_0 instead: each weight row in
-blocks of 32 int8 values with their own float16 scale, run by the kernels of `--quantization gguf`
-(gguf_matmul.py): for a few rows each row of x is quantized to int8 per block of 32 and the block dot
-products are integer (AVX2), so a decode step reads 34 bytes per 32 weights; a prefill chunk dequantizes
-the blocks once per call and keeps x in float32. Per block of 32, both roundings are finer than per
-channel and per token.
+"""Weight quantization of the decoder's projections, chosen with `--quantization` (docs/architecture.md,
+"Quantization"): int8 is W8A8 dynamic quantization, weights per output channel and activations per token
+(finer than fbgemm's one scale per step, whose outliers coarsened every row), on torch's int8 matmul, or on
+Q8_0 blocks and the GGUF kernels where torch's int8 matmul is slow (a CPU without an int8 dot product).
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""One C call per step, under `--quantization gguf` or on the dense float32 path (docs/architecture.md,
-"One C call per step" and "Dense decode steps in one call").
-
-Run op by op, a decode step of SmolLM2 is ~150 OpenMP parallel regions (every projection, norm, activation
-and attention call of 30 layers), a prefill chunk ~300, and as many trips through Python and torch's
-dispatch, and since an engine waits passively (cpu_budget.py: an idle engine must not spin) each region wakes
-sleeping threads. `DecodeStep` runs every layer of a step (decode rows, prefill chunks or both), up to
-the final norm, in one region of `decode_step.c`, which calls the kernels the op-by-op path calls (the fused
-norm and SiLU rows, the paged attention of decode rows and the tiled attention of prefill chunks) and a
-matmul given as two entry points (`StepMatmuls`): the int8 GGUF kernel (`gguf_matmuls`: both paths give the
-same floats), the float32 panel kernel (`dense_matmuls`, kernels/panel_matmul.py: the same sums as oneDNN's
-in another order), or, for a bfloat16 model on a CPU with AMX, the bfloat16 tile kernel (`amx_matmuls`,
-kernels/amx_matmul.py: the step keeps the residual stream, norms and RoPE in float32, rounding only the
-matmul inputs and the KV cache to bfloat16, so it is nearer to float32 than op by op). A dense float32 step
-of AMX_F32_FROM_ROWS rows or more takes the float32 AMX kernel instead where the model has its copies
-(`amx_f32_matmuls`, kernels/amx_matmul.py: float32 arithmetic over the GGUF blocks). The embedding
-lookup and the head stay where they are (the head is one more region).
-
-`fuse_decode_steps` decides once per model whether it can take the fused step, and says why not; then each
-step runs fused when, under gguf, it has fewer rows than the int8 kernel takes (24: `DENSE_FROM_ROWS`); dense
-steps of any size run fused, but for a step with a prefill chunk past the panel kernel's rows where the
-float32 AMX kernel is not there to take it (op by op runs oneDNN there). Any other step runs op by op. The KV cache
-may hold float32, bfloat16 or float16 (`--kv-cache-dtype`): the step rounds K and V into it as torch does and
-the attention kernel reads it in place.
+"""A model's step assembled for the whole-step kernel (kernels/decode_step.c): every layer of decode rows and
+prefill chunks in one OpenMP region instead of ~150-300 op by op, each waking passive threads. Here: which
+matmuls the step runs on (`StepMatmuls`: int8 GGUF, float32 panels, bfloat16 or float32 AMX), whether a model
+can take the step and why not (`fuse_decode_steps`), and which steps run fused (`DecodeStep.refusal`)
+(docs/architecture.md, "One C call per step" and "Dense decode steps in one call").
 """
 
 from __future__ import annotations
