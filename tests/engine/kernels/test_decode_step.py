@@ -33,6 +33,7 @@ from tandem_engine.kernels.paged_attention import KERNEL_KV_TYPES
 from tandem_engine.kernels.panel_matmul import FLOAT_PANELS_FROM_ROWS, load_panel_kernel
 from tandem_engine.models import llama as llama_module
 from tandem_engine.models import packed_linear
+from tandem_engine.models import projection as projection_module
 from tandem_engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem_engine.models.loader import SMOLLM2_ALIAS, load_config_and_tokenizer, load_model, resolve_model
 from tandem_engine.worker import decode_step
@@ -550,11 +551,11 @@ def test_op_by_op_matmuls_past_the_panel_kernels_row_limit_run_on_onednn(
         onednn.append(x.shape[0])
         return packed_linear.linear(x, *args)
 
-    monkeypatch.setattr(llama_module, "linear", counted)
+    monkeypatch.setattr(projection_module, "linear", counted)
     for rows in (panels.kernel.max_rows, panels.kernel.max_rows + 1):
         x = torch.randn(rows, layer.q_size)
         want = panels.kernel.matmul(x, panels.panels, panels.out_features, qtype=panels.qtype)
-        to_float_rounding(layer._project("o", x, layer.o_weight, layer.o_bias), want)
+        to_float_rounding(layer.proj["o"](x), want)
     assert onednn == [panels.kernel.max_rows + 1]
 
 
@@ -656,6 +657,34 @@ def test_keys_and_values_round_into_a_16_bit_cache_as_torch_rounds(
     assert not out[:3].view(torch.int16).any()  # nothing before `at`
 
 
+def test_the_engine_plans_its_weights_once_the_step_kernel_has_its_copies(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A float32 GGUF model served dense (on any CPU, the float32 AMX kernel off): the step kernel's panels are
+    made first, then oneDNN packs what the panels leave it (the matmuls past the panel kernel's rows), and a
+    projection with both frees its plain weight; the head runs on panels alone. --no-onednn-pack: panels
+    only, the plain weights kept. The start-up log says what each projection holds."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
+
+    def model(**kw: Any) -> LlamaForCausalLM:
+        core = EngineCore(EngineConfig(model=str(path), dtype="float32", cache_dir=str(tmp_path), block_size=BS,
+                                       num_kv_blocks=64, cpu_amx_float32=False, **kw), runner=ModelRunner)
+        core.shutdown()
+        return core.runner.model
+
+    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.weight_plan"):
+        packed = model()
+    for layer in map(lambda m: cast(DecoderLayer, m), packed.layers):
+        assert set(layer.panels) == set(layer.packed) == {"qkv", "o", "gate_up", "down"}
+        assert all(p is not None for p in layer.packed.values())
+        assert all(w.numel() == 0 for w, _ in layer.projections().values())
+    assert packed.panel_head is not None and packed.packed_lm_head is None and packed.decode_step is not None
+    assert f"qkv panels+onednn x{TINY['layers']}" in caplog.text
+    plain = model(onednn_pack=False)
+    for layer in map(lambda m: cast(DecoderLayer, m), plain.layers):
+        assert set(layer.panels) == {"qkv", "o", "gate_up", "down"} and not layer.packed
+        assert all(w.numel() > 0 for w, _ in layer.projections().values())
+
+
 @pytest.mark.skipif(amx_unfit() is not None, reason=f"{amx_unfit()}: the AMX kernel cannot run here")
 def test_the_engine_packs_for_onednn_only_where_the_float32_amx_kernel_does_not_take_the_model(
         tmp_path: Path) -> None:
@@ -701,7 +730,7 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
 
     monkeypatch.setattr(DecodeStep, "__call__", counted)
     prompts = [[5, 6, 7], list(range(10, 40)), [200] * 9, list(range(50, 63))]
-    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.weight_plan"):
         core = engine()
     try:
         assert ("steps fused: one C call per step of decode rows and prefill chunks, fewer than 24 rows"
@@ -714,7 +743,7 @@ def test_greedy_tokens_through_the_engine_are_the_same_either_way(
     finally:
         core.shutdown()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="tandem_engine.worker.weight_plan"):
         engine(cpu_fused_kernels=False).shutdown()
     assert ("steps op by op: the fused C kernels are off (--no-cpu-fused-kernels, or no C compiler)"
             in caplog.text)

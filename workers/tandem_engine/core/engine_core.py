@@ -15,7 +15,6 @@ from tandem_engine.core.kv_cache_manager import KVCacheManager
 from tandem_engine.core.kv_events import AllBlocksCleared, EngineLoad, KVEvent, KVEventBatch, KVEventPublisher
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.core.structured_output import Grammar, GrammarCompiler
-from tandem_engine.kernels.amx_matmul import expects_amx_float32
 from tandem_engine.kv_transfer.factory import make_connector
 from tandem_engine.kv_transfer.interface import KVConnectorScheduler, KVConnectorWorker
 from tandem_engine.kv_transfer.nixl_connector import new_engine_id
@@ -58,16 +57,12 @@ class EngineCore:
         # CUDA when present (Triton attention); otherwise the CPU with the torch/C attention backend.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = pick_dtype(config.dtype, config.quantization)
-        # oneDNN's packed copies are not made where the float32 AMX kernel will take the matmuls they serve
-        amx = expects_amx_float32(src.kind == "gguf", dtype, config.quantization, self.device, config.cpu_amx_float32)
-        loaded = load_model(src, dtype, self.device, onednn_pack=config.onednn_pack and not amx,
-                            quantization=config.quantization)
+        # oneDNN's packed copies come last, from the runner's plan_weights (worker/weight_plan.py)
+        loaded = load_model(src, dtype, self.device, onednn_pack=False, quantization=config.quantization)
         self.dtype = loaded.dtype
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.runner = runner(config, loaded, self.max_model_len, self.device)
-        if amx and config.onednn_pack and not loaded.model.uses_amx_float32:
-            loaded.model.prepack(self.device)  # the kernel did not take the model after all (its step refused)
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size
         if usable_tokens < self.max_model_len:
             raise ValueError(

@@ -204,14 +204,6 @@ class AmxBlockLinear:
         return y if bias is None else y.add_(bias)
 
 
-def expects_amx_float32(gguf: bool, dtype: torch.dtype, quantization: str, device: torch.device,
-                        enabled: bool) -> bool:
-    """Whether a model loaded so will take float32 AMX copies (decode_step.fuse_decode_steps with
-    `--cpu-amx-float32`), which take every matmul oneDNN's packed copies would: then those are not made."""
-    return (enabled and gguf and dtype == torch.float32 and quantization == "none" and device.type == "cpu"
-            and amx_unfit() is None)
-
-
 def amx_unfit(flags: set[str] | None = None) -> str | None:
     """Why this CPU cannot run the kernel, or None."""
     missing = CPU_FLAGS - (cpu_flags() if flags is None else flags)

@@ -97,7 +97,7 @@ class PanelKernel:
         # Whether projections that keep block panels should keep float panels too, for FLOAT_PANELS_FROM_ROWS
         # rows or more: measured on the AVX2 build only (on an AVX-512 Xeon such steps take the AMX copies).
         self.floats_pay = vector_bits == 256
-        # Op-by-op matmuls of up to this many rows run here, larger ones on oneDNN (DecoderLayer._project).
+        # Op-by-op matmuls of up to this many rows run here, larger ones on oneDNN (models/projection.py, Projection).
         self.max_rows = PANEL_MAX_ROWS_AVX512 if vector_bits == 512 else PANEL_MAX_ROWS
 
     @staticmethod

@@ -28,6 +28,7 @@ from tandem_engine.kernels.gguf_matmul import GGUFKernel, GGUFLinear, QuantizedW
 from tandem_engine.kernels.panel_matmul import F32, DenseBlocks, PanelKernel, PanelLinear
 from tandem_engine.models import packed_linear
 from tandem_engine.models.packed_linear import linear, packing_supported
+from tandem_engine.models.projection import Projection
 from tandem_engine.models.quantization import (
     Q8_0_BLOCK,
     Int8Linear,
@@ -150,18 +151,34 @@ class DecoderLayer(nn.Module):
         self.qk_norm = cfg.model_type == "qwen3"
         self.q_norm = param(d) if self.qk_norm else None
         self.k_norm = param(d) if self.qk_norm else None
-        # oneDNN-packed copies of the projections, made after loading (`LlamaForCausalLM.prepack`).
-        self.packed: dict[str, torch.Tensor | None] = {}
-        # Quantized projections replacing the dense ones (`--quantization`), by projection name.
-        self.quantized: dict[str, QuantizedLinear] = {}
-        # float32 panel copies of the projections (kernels/panel_matmul.py), made for fused decode steps; they
-        # also take the op-by-op matmuls of up to PanelKernel.max_rows rows (`use_panels`).
-        self.panels: dict[str, PanelLinear] = {}
-        # AMX copies of a bfloat16 model's projections, for its fused decode steps (kernels/amx_matmul.py).
-        self.amx: dict[str, AmxLinear] = {}
-        # A float32 model's copies for the float32 AMX kernel, from the GGUF blocks its panels keep: they take
-        # the matmuls of AMX_F32_FROM_ROWS rows or more (`use_amx_f32`).
-        self.amx_f32: dict[str, AmxBlockLinear] = {}
+        # Each projection with the forms of its weight made after loading and the choice among them.
+        self.proj = {name: Projection(name, w, b) for name, (w, b) in self.projections().items()}
+
+    # Views of the forms the projections hold, by projection name (read only: the Projections own them).
+    @property
+    def quantized(self) -> dict[str, QuantizedLinear]:
+        """Quantized projections replacing the dense ones (`--quantization`)."""
+        return {n: p.quantized for n, p in self.proj.items() if p.quantized is not None}
+
+    @property
+    def packed(self) -> dict[str, torch.Tensor | None]:
+        """oneDNN-packed copies, where packing was decided (None: not packed)."""
+        return {n: p.packed for n, p in self.proj.items() if p.pack_decided}
+
+    @property
+    def panels(self) -> dict[str, PanelLinear]:
+        """float32 panel copies (kernels/panel_matmul.py), for the whole-step kernel and small matmuls."""
+        return {n: p.panels for n, p in self.proj.items() if p.panels is not None}
+
+    @property
+    def amx(self) -> dict[str, AmxLinear]:
+        """AMX copies of a bfloat16 model's projections (kernels/amx_matmul.py)."""
+        return {n: p.amx for n, p in self.proj.items() if p.amx is not None}
+
+    @property
+    def amx_f32(self) -> dict[str, AmxBlockLinear]:
+        """float32 AMX copies over the GGUF blocks, for matmuls of AMX_F32_FROM_ROWS rows or more."""
+        return {n: p.amx_f32 for n, p in self.proj.items() if p.amx_f32 is not None}
 
     def projections(self) -> dict[str, tuple[nn.Parameter, nn.Parameter | None]]:
         """(weight [out, in], bias) of each projection, by name."""
@@ -169,80 +186,42 @@ class DecoderLayer(nn.Module):
                 "gate_up": (self.gate_up_weight, self.gate_up_bias), "down": (self.down_weight, self.down_bias)}
 
     def prepack(self) -> None:
-        self.packed = {name: packed_linear.pack(w) for name, (w, _) in self.projections().items()
-                       if name not in self.quantized}
+        for p in self.proj.values():
+            p.prepack()
 
     def quantize_int8(self, kernel: GGUFKernel | None = None) -> None:
         """Replace every projection by its int8 form: Q8_0 blocks on `kernel` where given (and the input size
         is a multiple of 32), else torch's int8 matmul (quantization.py)."""
-        for name, (weight, bias) in self.projections().items():
-            if kernel is not None and weight.shape[1] % Q8_0_BLOCK == 0:
-                self.set_quantized(name, GGUFLinear([q8_0_blocks(weight)], bias, kernel))
+        for p in self.proj.values():
+            if kernel is not None and p.weight.shape[1] % Q8_0_BLOCK == 0:
+                p.quantize(GGUFLinear([q8_0_blocks(p.weight)], p.bias, kernel))
             else:
-                self.set_quantized(name, Int8Linear(weight, bias))
+                p.quantize(Int8Linear(p.weight, p.bias))
 
     def set_quantized(self, name: str, layer: QuantizedLinear) -> None:
         """Run projection `name` through `layer` and free its dense weight (its shape becomes [0])."""
-        weight = self.projections()[name][0]
-        self.quantized[name] = layer
-        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-        self.packed.pop(name, None)
+        self.proj[name].quantize(layer)
 
     def use_panels(self, kernel: PanelKernel, blocks: dict[str, list[QuantizedWeight]] | None = None,
                    keep_floats: bool = False) -> None:
-        """Make the panel copies of the dense projections, from `blocks` where it has a projection's GGUF
-        blocks (PanelLinear, with float panels beside them as `keep_floats` says). Matmuls of up to
-        `kernel.max_rows` rows then run on them (faster than F.linear and oneDNN there), larger prefill chunks
-        on oneDNN's packed copy, so a projection that has both frees its plain weight (its shape becomes [0]).
-        Projections that have their panels already keep them (a second ModelRunner over the same loaded
-        model)."""
-        for name, (weight, _) in self.projections().items():
-            if name in self.quantized or name in self.panels:
-                continue
-            self.panels[name] = PanelLinear(weight, kernel, (blocks or {}).get(name), keep_floats)
-            if self.packed.get(name) is not None:
-                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        """Panel copies of the dense projections (Projection.use_panels), from `blocks` where it has a
+        projection's GGUF blocks. Copies made already are kept (a second ModelRunner over the same model)."""
+        for name, p in self.proj.items():
+            p.use_panels(kernel, (blocks or {}).get(name), keep_floats)
 
     def use_amx(self, kernel: AmxKernel) -> None:
-        """Run the bfloat16 projections on AMX copies (made here, once; the weights are freed, their shape
-        becoming [0]) for float32 rows, and keep the norms' weights in float32: the layer then computes in
-        float32 but for its matmuls' bfloat16 inputs."""
-        for name, (weight, _) in self.projections().items():
-            if name not in self.amx:
-                self.amx[name] = AmxLinear(weight, kernel)
-                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # every matmul takes the copy
+        """Run the bfloat16 projections on AMX copies for float32 rows, and keep the norms' weights in float32:
+        the layer then computes in float32 but for its matmuls' bfloat16 inputs."""
+        for p in self.proj.values():
+            p.use_amx(kernel)
         for norm in (self.input_norm, self.post_attn_norm, self.q_norm, self.k_norm):
             if norm is not None:
                 norm.data = norm.data.float()
 
     def use_amx_f32(self, kernel: AmxKernel, blocks: dict[str, list[QuantizedWeight]]) -> None:
-        """Make float32 AMX copies (AmxBlockLinear) of the projections whose panels keep `blocks` (PanelLinear
-        checked that they give the weight). Matmuls of AMX_F32_FROM_ROWS rows or more then run on them, fewer
-        rows on the panels, so such a projection frees its oneDNN copy and its plain weight. Idempotent."""
-        for name, (weight, _) in self.projections().items():
-            panels = self.panels.get(name)
-            if name in self.amx_f32 or panels is None or panels.qtype == F32 or name not in blocks:
-                continue
-            self.amx_f32[name] = AmxBlockLinear(blocks[name], kernel)
-            self.packed[name] = None
-            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-
-    def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, in] through projection `name` -> [T, out]: quantized if it is, else dense."""
-        q = self.quantized.get(name)
-        if q is not None:
-            return q(x)
-        amx = self.amx.get(name)
-        if amx is not None:  # float32 rows, bfloat16 weights (use_amx)
-            y = amx(x)
-            return y if bias is None else y.add_(bias)
-        amx_f32 = self.amx_f32.get(name)
-        if amx_f32 is not None and x.shape[0] >= AMX_F32_FROM_ROWS:
-            return amx_f32(x, bias)
-        panels, packed = self.panels.get(name), self.packed.get(name)
-        if panels is not None and (x.shape[0] <= panels.kernel.max_rows or packed is None):
-            return panels(x, bias)
-        return linear(x, weight, bias, packed)
+        """float32 AMX copies of the projections whose panels keep `blocks` (Projection.use_amx_f32)."""
+        for name, p in self.proj.items():
+            p.use_amx_f32(kernel, blocks.get(name))
 
     def shard(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """Where checkpoint tensor `name` (relative to the layer) goes: (param, row start, row end)."""
@@ -285,7 +264,7 @@ class DecoderLayer(nn.Module):
         ops: FusedOps,
     ) -> torch.Tensor:  # [T, hidden] the updated x through `next_norm`
         t = x.shape[0]
-        qkv = self._project("qkv", h, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
+        qkv = self.proj["qkv"](h)  # [T, q_size + 2 * kv_size]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
         if self.qk_norm:
@@ -301,11 +280,11 @@ class DecoderLayer(nn.Module):
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, nq, D]
         # Each residual add is fused with the norm that reads its result (kernels/fused.py).
-        o = self._project("o", o.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        o = self.proj["o"](o.reshape(t, self.q_size))
         h = ops.add_rms_norm(x, o, self.post_attn_norm, self.eps)
-        gu = self._project("gate_up", h, self.gate_up_weight, self.gate_up_bias)  # [T, 2 * inter]
+        gu = self.proj["gate_up"](h)  # [T, 2 * inter]
         act = ops.silu_mul(gu)  # [T, inter]
-        return ops.add_rms_norm(x, self._project("down", act, self.down_weight, self.down_bias), next_norm, self.eps)
+        return ops.add_rms_norm(x, self.proj["down"](act), next_norm, self.eps)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -491,7 +470,8 @@ class LlamaForCausalLM(nn.Module):
             return
         for layer in self.layers:
             cast(DecoderLayer, layer).prepack()
-        if self.quantized_head is None:
+        if self.quantized_head is None and self.panel_head is None and self.amx_head is None \
+                and self.packed_lm_head is None and self.lm_head.numel() > 0:
             self.packed_lm_head = packed_linear.pack(self.lm_head)
 
     def set_quantized_embedding(self, embedding: Callable[[torch.Tensor], torch.Tensor]) -> None:

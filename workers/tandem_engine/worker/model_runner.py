@@ -16,12 +16,11 @@ import torch
 
 from tandem_engine.attention.interface import AttentionBackend, AttentionMetadata
 from tandem_engine.config import EngineConfig
-from tandem_engine.kernels.fused import TORCH_OPS, load_fused_ops
 from tandem_engine.kv_transfer.interface import KVConnectorWorker
 from tandem_engine.models.loader import LoadedModel, pick_dtype
 from tandem_engine.scheduler_output import SampledToken, SchedulerOutput
-from tandem_engine.worker.decode_step import DENSE_ROW_LIMIT, fuse_decode_steps
 from tandem_engine.worker.sampler import Sampler
+from tandem_engine.worker.weight_plan import plan_weights
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +60,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = select_backend(config, self.device)
-        ops = TORCH_OPS
-        if config.cpu_fused_kernels and self.device.type == "cpu":
-            ops = load_fused_ops(config.cache_path)
-            self.model.use_fused_ops(ops)
-        self.sampler = Sampler(ops.argmax)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(loaded.hf_config)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        why = fuse_decode_steps(self.model, self.backend, self.kv_dtype, config.cache_path,
-                                amx_float32=config.cpu_amx_float32, float_panels=config.cpu_float_panels)
-        if (step := self.model.decode_step) is not None:
-            rows = f"fewer than {step.row_limit} rows" if step.row_limit < DENSE_ROW_LIMIT else "any number of rows"
-            if step.chunk_row_limit < step.row_limit:
-                rows += f" (with a prefill chunk fewer than {step.chunk_row_limit})"
-            logger.info("[startup] steps fused: one C call per step of decode rows and prefill chunks, %s, on %s "
-                        "(worker/decode_step.py); other steps op by op", rows, step.kind)
-        else:
-            logger.info("[startup] steps op by op: %s", why)
+        ops = plan_weights(self.model, config, self.device, self.backend, self.kv_dtype)
+        self.sampler = Sampler(ops.argmax)
         self.num_blocks = self._num_blocks()
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_pool = torch.zeros(
