@@ -19,13 +19,13 @@ import kopf
 
 from tandem_operator.autoscaling.loop import run_ticks, scrape
 from tandem_operator.autoscaling.signals import RouterSample, Scrape, increase
+from tandem_operator.autoscaling.spec import DEFAULT_INTERVAL_SECONDS
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.spec import SpecError, parse_spec
 from tandem_operator.status import KV_CONDITION, kv_condition
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_SECONDS = 15.0
 FALLBACK_RATIO = 0.2
 MIN_REMOTE = 2  # prompts through prefill with no block received before that counts (one may be a full cache hit)
 

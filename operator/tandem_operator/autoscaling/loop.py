@@ -22,6 +22,7 @@ import kopf
 
 from tandem_operator.autoscaling.planner import Decision, Plan, Planner, Replicas
 from tandem_operator.autoscaling.signals import Scrape, Signals, parse_engine, parse_router, read_pods, signals
+from tandem_operator.autoscaling.spec import DEFAULT_INTERVAL_SECONDS
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.naming import Component, workload_name
 from tandem_operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -144,10 +145,10 @@ class Autoscaler:
         try:
             spec = parse_spec(dict(body))
         except SpecError:
-            return 15.0  # the reconciler reports the problems; nothing to plan with
+            return DEFAULT_INTERVAL_SECONDS  # the reconciler reports the problems; nothing to plan with
         config = spec.autoscaling
         if config is None:
-            return 15.0
+            return DEFAULT_INTERVAL_SECONDS
         if self.planner is None or self.planner.config != config:
             self.planner = Planner(config)  # a changed config starts afresh (windows seeded with the current size)
         try:

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from tandem_operator.spec import SpecReader
 
 PERCENTILES = (50, 75, 90, 95, 99)
+# Seconds between ticks when spec.autoscaling does not say (and for the loops that run without it).
+DEFAULT_INTERVAL_SECONDS = 15
 
 
 @dataclass(frozen=True)
@@ -142,5 +144,5 @@ def parse_autoscaling(r: SpecReader, spec: dict[str, Any], disaggregated: bool) 
         hold_seconds=r.required_int(
             r.section(raw, "scaleToZero", p), "holdSeconds", f"{p}.scaleToZero", 300, minimum=1, maximum=3600
         ),
-        interval_seconds=r.required_int(raw, "intervalSeconds", p, 15, minimum=1, maximum=600),
+        interval_seconds=r.required_int(raw, "intervalSeconds", p, DEFAULT_INTERVAL_SECONDS, minimum=1, maximum=600),
     )

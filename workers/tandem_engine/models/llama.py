@@ -28,7 +28,7 @@ from tandem_engine.kernels.gguf_matmul import GGUFKernel, GGUFLinear, QuantizedW
 from tandem_engine.kernels.panel_matmul import F32, DenseBlocks, PanelKernel, PanelLinear
 from tandem_engine.models import packed_linear
 from tandem_engine.models.packed_linear import linear, packing_supported
-from tandem_engine.models.projection import Projection
+from tandem_engine.models.projection import Projection, free
 from tandem_engine.models.quantization import (
     Q8_0_BLOCK,
     Int8Linear,
@@ -406,7 +406,7 @@ class LlamaForCausalLM(nn.Module):
             tied = self.tie_word_embeddings and self.embed_tokens.numel() > 0
             head_blocks = None if blocks is None or blocks.head is None else [blocks.head]
             self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel, head_blocks, keep_floats)
-            self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
+            free(self.lm_head)
             self.packed_lm_head = None
 
     def use_amx(self, kernel: AmxKernel) -> None:
@@ -417,7 +417,7 @@ class LlamaForCausalLM(nn.Module):
             cast(DecoderLayer, layer).use_amx(kernel)
         if self.amx_head is None:
             self.amx_head = AmxLinear(self.embed_tokens if self.tie_word_embeddings else self.lm_head, kernel)
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
+            free(self.lm_head)
         self.norm.data = self.norm.data.float()
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         self.act_dtype = torch.float32
@@ -477,12 +477,12 @@ class LlamaForCausalLM(nn.Module):
     def set_quantized_embedding(self, embedding: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Look tokens up through `embedding` and free the dense table (its shape becomes [0])."""
         self.quantized_embedding = embedding
-        self.embed_tokens.data = torch.empty(0, dtype=self.dtype, device=self.embed_tokens.device)
+        free(self.embed_tokens)
 
     def set_quantized_head(self, head: QuantizedLinear) -> None:
         """Compute logits through `head` and free the dense head (its shape becomes [0])."""
         self.quantized_head = head
-        self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.lm_head.device)
+        free(self.lm_head)
         self.packed_lm_head = None
 
     @torch.no_grad()
