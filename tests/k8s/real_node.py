@@ -204,14 +204,28 @@ class RealNode:
         if any(line.split()[:1] == [image] and label in line for line in self.ctr("images", "ls").stdout.splitlines()):
             return False
         began = time.monotonic()
-        archive = self.work_dir / "image.tar"
+        # Streamed from buildah's storage into containerd's through a pipe: a worker image is gigabytes, and an
+        # archive on disk in between doubled the disk a copy needs (CI's push failed, exit 125, with 6 GB
+        # free). Either side failing ends the other: EOF for the import, a broken pipe for the push.
+        push = subprocess.Popen(["buildah", "push", "--quiet", image, f"docker-archive:/dev/stdout:{image}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert push.stdout is not None and push.stderr is not None
         try:
-            subprocess.run(["buildah", "push", "--quiet", image, f"docker-archive:{archive}:{image}"],
-                           capture_output=True, text=True, check=True, timeout=1200)
-            self.ctr("images", "import", str(archive), timeout=1200)
-            self.ctr("images", "label", image, label)
+            imported = subprocess.run(["ctr", "--address", str(self.socket), "-n", NAMESPACE, "images", "import",
+                                       "-"], stdin=push.stdout, capture_output=True, text=True, timeout=1200)
+            push.stdout.close()
+            push_err = push.stderr.read().decode(errors="replace")
+            push.wait(timeout=60)
         finally:
-            archive.unlink(missing_ok=True)
+            if push.poll() is None:
+                push.kill()
+                push.wait()
+        if push.returncode != 0 or imported.returncode != 0:
+            raise RuntimeError(f"copying {image} into containerd failed: buildah push exited {push.returncode}"
+                               f" ({push_err.strip()[-2000:]}), ctr images import exited {imported.returncode}"
+                               f" ({imported.stderr.strip()[-2000:]}); free disk: {_free_gib(self.store):.1f} GiB"
+                               f" under {self.store}")
+        self.ctr("images", "label", image, label)
         logger.info("[startup] image %s loaded into containerd in %.1f s", image, time.monotonic() - began)
         return True
 
@@ -441,6 +455,12 @@ def _remove_cgroups(root: str) -> None:
             d.rmdir()
         except OSError:
             pass
+
+
+def _free_gib(path: Path) -> float:
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free / 2**30
 
 
 def _mounts_under(path: Path) -> list[str]:

@@ -100,6 +100,34 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         loader.resolve_model(str(tmp_path))
 
 
+def test_copies_of_one_gguf_share_one_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is keyed on a GGUF's contents: every clone's .venv holds its own copy of the embedded model,
+    and a key on the path left half a gigabyte behind per clone (CI's machine filled its disk). A file that
+    changes gets its own entry; a path hashed once is not read again while its size and mtime hold."""
+    cache = tmp_path / "cache"
+    a, b, c = (tmp_path / n / "m.gguf" for n in "abc")
+    for f, data in ((a, b"same weights"), (b, b"same weights"), (c, b"other weights")):
+        f.parent.mkdir()
+        f.write_bytes(data)
+    entry = [loader.gguf_cache_dir(loader.ModelSource("gguf", f, "m", cache)) for f in (a, b, c)]
+    assert entry[0] == entry[1] != entry[2] and entry[0].parent == cache
+    assert len(json.loads((cache / loader.DIGESTS).read_text())) == 3
+
+    reads: list[Path] = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *args, **kw: (reads.append(Path(f)), real_open(f, *args, **kw))[1])
+    assert loader.gguf_cache_dir(loader.ModelSource("gguf", a, "m", cache)) == entry[0]
+    assert a not in reads
+    a.write_bytes(b"new weights!")  # same size, a later mtime
+    os.utime(a, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert loader.gguf_cache_dir(loader.ModelSource("gguf", a, "m", cache)) not in entry
+    # A deleted clone's path leaves the memo when it is next written.
+    b.unlink()
+    c.write_bytes(b"other weights, edited")
+    loader.gguf_cache_dir(loader.ModelSource("gguf", c, "m", cache))
+    assert not any(k.startswith(str(b)) for k in json.loads((cache / loader.DIGESTS).read_text()))
+
+
 def test_pick_dtype() -> None:
     assert loader.pick_dtype("float32") is torch.float32
     assert loader.pick_dtype("bfloat16") is torch.bfloat16

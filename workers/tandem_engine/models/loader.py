@@ -134,10 +134,51 @@ def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # --- GGUF cache -------------------------------------------------------------------------------------
 
 
+# Beside the cache entries: the sha256 of each GGUF file met, by its path, size and modification time.
+DIGESTS = "gguf_digests.json"
+
+
 def gguf_cache_dir(src: ModelSource) -> Path:
-    st = src.path.stat()
-    key = f"{_CACHE_FORMAT}:{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    """The cache entry of a GGUF file, keyed on its contents: every copy of one file (each clone's .venv,
+    each CI run's) shares one entry, where a key on its path left half a gigabyte per clone behind."""
+    key = f"{_CACHE_FORMAT}:{gguf_digest(src.path, src.cache_dir)}"
     return src.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def gguf_digest(path: Path, cache_dir: Path) -> str:
+    """The sha256 of `path`'s contents, read from DIGESTS when this path, size and mtime were hashed before
+    (hashing reads the whole file: 0.1 s for SmolLM2's, seconds for a 7B model's)."""
+    st = path.stat()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    for d in dict.fromkeys((cache_dir, build_dir(cache_dir))):
+        try:
+            known = json.loads((d / DIGESTS).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(known, dict) and isinstance(known.get(stamp), str):
+            return str(known[stamp])
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    memo = build_dir(cache_dir) / DIGESTS
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(memo.parent / f".{DIGESTS}.lock"):
+            try:
+                known = json.loads(memo.read_text())
+            except (OSError, ValueError):
+                known = {}
+            if not isinstance(known, dict):
+                known = {}
+            # Paths that are gone (a deleted clone) drop out as the file is rewritten.
+            known = {k: v for k, v in known.items() if Path(k.rsplit(":", 2)[0]).exists()}
+            known[stamp] = digest
+            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            os.replace(tmp, memo)
+    return digest
 
 
 @contextlib.contextmanager
