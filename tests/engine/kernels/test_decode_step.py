@@ -679,6 +679,7 @@ def test_the_engine_plans_its_weights_once_the_step_kernel_has_its_copies(
         assert all(w.numel() == 0 for w, _ in layer.projections().values())
     assert packed.panel_head is not None and packed.packed_lm_head is None and packed.decode_step is not None
     assert f"qkv panels+onednn x{TINY['layers']}" in caplog.text
+    assert "head panels\n" in caplog.text  # the head: panels alone (its dense copies went)
     plain = model(onednn_pack=False)
     for layer in map(lambda m: cast(DecoderLayer, m), plain.layers):
         assert set(layer.panels) == {"qkv", "o", "gate_up", "down"} and not layer.packed

@@ -21,14 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem_engine.kernels.amx_matmul import AMX_F32_FROM_ROWS, AmxBlockLinear, AmxKernel, AmxLinear
+from tandem_engine.kernels.amx_matmul import AmxBlockLinear, AmxKernel, AmxLinear
 from tandem_engine.kernels.build import cpu_flags
 from tandem_engine.kernels.fused import TORCH_OPS, FusedOps
 from tandem_engine.kernels.gguf_matmul import GGUFKernel, GGUFLinear, QuantizedWeight, load_gguf_kernel
-from tandem_engine.kernels.panel_matmul import F32, DenseBlocks, PanelKernel, PanelLinear
-from tandem_engine.models import packed_linear
-from tandem_engine.models.packed_linear import linear, packing_supported
-from tandem_engine.models.projection import Projection, free
+from tandem_engine.kernels.panel_matmul import DenseBlocks, PanelKernel, PanelLinear
+from tandem_engine.models.packed_linear import packing_supported
+from tandem_engine.models.projection import Head, Projection, free
 from tandem_engine.models.quantization import (
     Q8_0_BLOCK,
     Int8Linear,
@@ -318,10 +317,6 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = _param((cfg.hidden_size,), dtype)
-        self.packed_lm_head: torch.Tensor | None = None
-        self.panel_head: PanelLinear | None = None  # the head on the panel kernel (`use_panels`)
-        self.amx_head: AmxLinear | None = None  # a bfloat16 model's head on AMX (`use_amx`)
-        self.amx_f32_head: AmxBlockLinear | None = None  # a float32 head's AMX copy (`use_amx_f32`)
         # What the residual stream and every op but the matmuls compute in: the weights' dtype, or float32
         # for a bfloat16 model on AMX (`use_amx`).
         self.act_dtype = dtype
@@ -329,7 +324,6 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = "none"  # what `--quantization` made of the projections
         # A quantized embedding lookup ([T] ids -> [T, hidden]) and head replacing the dense ones.
         self.quantized_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.quantized_head: QuantizedLinear | None = None
         self.decode_step: DecodeStep | None = None  # runs the decode steps it takes (worker/decode_step.py)
         # The GGUF file the dense weights were dequantized from (load_model), whose blocks the decode step's
         # panels keep (use_panels); None for a safetensors checkpoint.
@@ -337,6 +331,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Its own copy even when tied: the embedding wants [vocab, hidden] rows, the head transposed storage.
         self.lm_head = _param((cfg.vocab_size, cfg.hidden_size), dtype, transposed=True)
+        self.head = Head(self.lm_head, self.embed_tokens if self.tie_word_embeddings else None)
         # RoPE tables [max_positions, D] in the model dtype, as HF applies them.
         max_pos = int(getattr(cfg, "max_position_embeddings", 8192))
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(cfg))
@@ -379,18 +374,28 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        if self.quantized_head is not None:
-            return self.quantized_head(hidden)
-        if self.amx_f32_head is not None and hidden.shape[0] >= AMX_F32_FROM_ROWS:
-            return self.amx_f32_head(hidden)
-        if self.panel_head is not None:
-            return self.panel_head(hidden)
-        if self.amx_head is not None:
-            return self.amx_head(hidden)
-        # Tied: from 4 rows on the [vocab, hidden] embedding is as fast or faster; 1-2 rows run ~1.5x faster
-        # against the transposed copy.
-        w = self.embed_tokens if self.tie_word_embeddings and hidden.shape[0] > 2 else self.lm_head
-        return linear(hidden, w, None, self.packed_lm_head).float()
+        return self.head(hidden)
+
+    # The head's forms, read-only (Head holds them).
+    @property
+    def quantized_head(self) -> QuantizedLinear | None:
+        return self.head.quantized
+
+    @property
+    def packed_lm_head(self) -> torch.Tensor | None:
+        return self.head.packed
+
+    @property
+    def panel_head(self) -> PanelLinear | None:
+        return self.head.panels
+
+    @property
+    def amx_head(self) -> AmxLinear | None:
+        return self.head.amx
+
+    @property
+    def amx_f32_head(self) -> AmxBlockLinear | None:
+        return self.head.amx_f32
 
     def use_panels(self, kernel: PanelKernel, blocks: DenseBlocks | None = None,
                    keep_floats: bool = False) -> None:
@@ -402,12 +407,7 @@ class LlamaForCausalLM(nn.Module):
         them as `keep_floats` says (PanelLinear)."""
         for i, layer in enumerate(self.layers):
             cast(DecoderLayer, layer).use_panels(kernel, None if blocks is None else blocks.layers[i], keep_floats)
-        if self.quantized_head is None and self.dtype == torch.float32 and self.panel_head is None:
-            tied = self.tie_word_embeddings and self.embed_tokens.numel() > 0
-            head_blocks = None if blocks is None or blocks.head is None else [blocks.head]
-            self.panel_head = PanelLinear(self.embed_tokens if tied else self.lm_head, kernel, head_blocks, keep_floats)
-            free(self.lm_head)
-            self.packed_lm_head = None
+        self.head.use_panels(kernel, None if blocks is None or blocks.head is None else [blocks.head], keep_floats)
 
     def use_amx(self, kernel: AmxKernel) -> None:
         """A bfloat16 model on a CPU with AMX: its projections and head on the AMX kernel (kernels/amx_matmul.py)
@@ -415,9 +415,7 @@ class LlamaForCausalLM(nn.Module):
         so that only the matmuls' inputs (and the KV cache) are rounded to bfloat16. Idempotent."""
         for layer in self.layers:
             cast(DecoderLayer, layer).use_amx(kernel)
-        if self.amx_head is None:
-            self.amx_head = AmxLinear(self.embed_tokens if self.tie_word_embeddings else self.lm_head, kernel)
-            free(self.lm_head)
+        self.head.use_amx(kernel)
         self.norm.data = self.norm.data.float()
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         self.act_dtype = torch.float32
@@ -433,9 +431,7 @@ class LlamaForCausalLM(nn.Module):
         arithmetic, each x split into three bfloat16 parts). Idempotent."""
         for i, layer in enumerate(self.layers):
             cast(DecoderLayer, layer).use_amx_f32(kernel, blocks.layers[i])
-        head = self.panel_head
-        if self.amx_f32_head is None and head is not None and head.qtype != F32 and blocks.head is not None:
-            self.amx_f32_head = AmxBlockLinear([blocks.head], kernel)
+        self.head.use_amx_f32(kernel, None if blocks.head is None else [blocks.head])
 
     def use_fused_ops(self, ops: FusedOps) -> None:
         """Run the residual adds, norms and activation through `ops` (the C kernels where they apply)."""
@@ -470,9 +466,7 @@ class LlamaForCausalLM(nn.Module):
             return
         for layer in self.layers:
             cast(DecoderLayer, layer).prepack()
-        if self.quantized_head is None and self.panel_head is None and self.amx_head is None \
-                and self.packed_lm_head is None and self.lm_head.numel() > 0:
-            self.packed_lm_head = packed_linear.pack(self.lm_head)
+        self.head.prepack()
 
     def set_quantized_embedding(self, embedding: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Look tokens up through `embedding` and free the dense table (its shape becomes [0])."""
@@ -481,9 +475,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_quantized_head(self, head: QuantizedLinear) -> None:
         """Compute logits through `head` and free the dense head (its shape becomes [0])."""
-        self.quantized_head = head
-        free(self.lm_head)
-        self.packed_lm_head = None
+        self.head.quantize(head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,6 +1,7 @@
-"""One projection of a decoder layer (q|k|v, o, gate|up, down): its dense weight and bias, the other forms of the
-weight made after loading (oneDNN's packed copy, a quantized layer, float32 panels, AMX copies), and the choice
-among them for each call, by the rows it computes (docs/architecture.md, "CPU kernels")."""
+"""One projection of a decoder layer (q|k|v, o, gate|up, down) or the LM head: its dense weight and bias, the
+other forms of the weight made after loading (oneDNN's packed copy, a quantized layer, float32 panels, AMX
+copies), and the choice among them for each call, by the rows it computes (docs/architecture.md, "CPU
+kernels")."""
 
 from __future__ import annotations
 
@@ -96,4 +97,43 @@ class Projection:
         panels, packed = self.panels, self.packed
         if panels is not None and (x.shape[0] <= panels.kernel.max_rows or packed is None):
             return panels(x, bias)
-        return linear(x, self.weight, bias, packed)
+        return self.dense(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+class Head(Projection):
+    """The LM head, [N, hidden] -> [N, vocab] float32 logits: a Projection whose weight, when tied to the
+    embedding, is also read from the [vocab, hidden] embedding table: its float32 copies are made from it,
+    and the dense matmul of 3 rows or more runs against it (as fast or faster from 4 rows on; 1-2 rows run
+    ~1.5x faster against the head's transposed copy). Panels, once made, take every matmul: from 1 to 64 rows
+    they measured as fast or faster than each other copy, which therefore go."""
+
+    def __init__(self, weight: nn.Parameter, table: nn.Parameter | None) -> None:
+        super().__init__("head", weight, None)
+        self.table = table  # the embedding, when tied
+
+    def source(self) -> nn.Parameter:
+        """The dense weight the other forms are made from: the embedding table while tied and kept."""
+        return self.table if self.table is not None and self.table.numel() > 0 else self.weight
+
+    def use_panels(self, kernel: PanelKernel, blocks: list[QuantizedWeight] | None, keep_floats: bool) -> None:
+        if self.quantized is not None or self.panels is not None or self.weight.dtype != torch.float32:
+            return
+        self.panels = PanelLinear(self.source(), kernel, blocks, keep_floats)
+        free(self.weight)
+        self.packed, self.pack_decided = None, True
+
+    def use_amx(self, kernel: AmxKernel) -> None:
+        if self.amx is None:
+            self.amx = AmxLinear(self.source(), kernel)
+            free(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x).float()
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        w = table if table is not None and table.numel() > 0 and x.shape[0] > 2 else self.weight
+        return linear(x, w, None, self.packed)

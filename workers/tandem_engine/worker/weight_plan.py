@@ -45,7 +45,8 @@ def plan_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch.de
 
 
 def weight_forms(model: LlamaForCausalLM) -> str:
-    """Each projection's forms over the layers, e.g. `qkv panels+onednn x30`."""
+    """Each projection's forms over the layers, then the head's, e.g. `qkv panels+onednn x30, ..., head panels`."""
     forms = Counter(f"{name} {'+'.join(p.forms()) or 'none'}"
                     for layer in model.layers for name, p in cast(DecoderLayer, layer).proj.items())
-    return ", ".join(f"{k} x{n}" for k, n in forms.items())
+    head = f"head {'+'.join(model.head.forms()) or 'none'}"
+    return ", ".join([*(f"{k} x{n}" for k, n in forms.items()), head])
