@@ -46,13 +46,107 @@ class ModelExecutor(Protocol):
 RunnerFactory = Callable[[EngineConfig, LoadedModel, int, torch.device], ModelExecutor]
 
 
-class EngineCore:
+class SchedulingCore:
+    """The half of an engine core that needs no model: the scheduler over the KV cache's blocks, the KV
+    connector's scheduler side, and the KV events routers follow. EngineCore steps it with a model runner;
+    the simulated engine (tandem_engine/sim) with a timing model, so both publish and schedule alike."""
+
+    def __init__(self, config: EngineConfig, engine_index: int, num_blocks: int, max_model_len: int,
+                 device_type: str, connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None,
+                 engine_id: str | None = None) -> None:
+        """`connector`: the KV connector's two sides (a prefill or decode engine); `engine_id` its engine id
+        when it has one, else a new one."""
+        self.config = config
+        self.engine_index = engine_index
+        self.max_model_len = max_model_len
+        self.kv_connector: KVConnectorScheduler | None = None
+        self.kv_worker: KVConnectorWorker | None = None
+        if connector is not None:
+            self.kv_connector, self.kv_worker = connector
+        self.engine_id = engine_id or new_engine_id(engine_index)
+        self.kv_events: KVEventPublisher | None = None
+        self._published_load: EngineLoad | None = None
+        if config.kv_events_port:
+            self.kv_events = self._event_publisher()
+            self._publish([AllBlocksCleared()], EngineLoad(0, 0, 0.0))  # a new engine id starts empty
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                           record_events=self.kv_events is not None),
+            config.max_num_seqs, config.step_token_budget(device_type), self.max_model_len,
+            self.kv_connector, config.kv_failure_policy, config.scheduling_policy,
+        )
+        self._idle = True  # the last step computed nothing and produced no output
+
+    def _event_publisher(self) -> KVEventPublisher:
+        (port, replay_port), host = self.config.kv_events_ports(self.engine_index), self.config.kv_events_host
+        return KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}",
+                                self.config.kv_events_buffer_steps)
+
+    def begin_step(self) -> SchedulerOutput:
+        """The next step's batch, its KV loads started and the load published: what the model computes next."""
+        if self.kv_worker is not None:
+            self.scheduler.update_from_kv_output(self.kv_worker.get_finished(), time.monotonic())
+        sched = self.scheduler.schedule()
+        if self.kv_worker is not None and self.kv_connector is not None:
+            self.kv_worker.start_load_kv(self.kv_connector.build_connector_meta())
+        # Before the forward pass too: the requests that came in during the last step are now counted,
+        # and routers weighing queues see them a step sooner (a long prefill step is most of a second).
+        self._publish_changes()
+        return sched
+
+    def finish_step(self, sched: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
+        """The step's tokens taken into the requests; what finished or produced output, to send back."""
+        outputs = self.scheduler.update_from_output(sched, sampled)
+        self._idle = sched.is_empty and not outputs
+        self._publish_changes()
+        return outputs
+
+    def _publish_changes(self) -> None:
+        """The cache events since the last batch, with the load when it changed."""
+        if self.kv_events is not None:
+            events, load = self.scheduler.kv.pool.take_events(), self._load_change()
+            if events or load is not None:
+                self._publish(events, load or self._published_load)
+
+    def _load_change(self) -> EngineLoad | None:
+        """The scheduler's load, when routers have not seen it: a request came, started or ended, or
+        KV usage moved by a percent point since the last load published."""
+        s = self.scheduler
+        now = EngineLoad(len(s.running), len(s.waiting) + len(s.waiting_for_kv), s.kv.usage)
+        last = self._published_load
+        if last is not None and (now.running, now.waiting) == (last.running, last.waiting) \
+                and abs(now.kv_usage - last.kv_usage) < 0.01:
+            return None
+        return now
+
+    def _publish(self, events: list[KVEvent], load: EngineLoad | None = None) -> None:
+        assert self.kv_events is not None
+        self.kv_events.publish(KVEventBatch(time.time(), self.engine_id, events, load))
+        if load is not None:
+            self._published_load = load
+
+    @property
+    def kv_busy(self) -> bool:
+        """Blocks held under a lease, or loads not yet reported: the loop keeps stepping."""
+        return self.kv_worker is not None and self.kv_worker.has_pending or \
+            self.kv_connector is not None and self.kv_connector.num_held_blocks > 0
+
+    def shutdown(self) -> None:
+        if self.kv_worker is not None:
+            self.kv_worker.shutdown()
+        if self.kv_events is not None:
+            self._publish([AllBlocksCleared()])
+            self.kv_events.close()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+
+class EngineCore(SchedulingCore):
     def __init__(self, config: EngineConfig, engine_index: int = 0, *, runner: RunnerFactory) -> None:
         """`runner` builds the model runner (the process entry point names it: frontend/core_client.py), so
         that the core depends on what it asks of a runner, not on the worker."""
         t0 = time.perf_counter()
-        self.config = config
-        self.engine_index = engine_index
         src = resolve_model(config.model, config.cache_path)
         # CUDA when present (Triton attention); otherwise the CPU with the torch/C attention backend.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,35 +155,21 @@ class EngineCore:
         loaded = load_model(src, dtype, self.device, onednn_pack=False, quantization=config.quantization)
         self.dtype = loaded.dtype
         model_limit = int(getattr(loaded.hf_config, "max_position_embeddings", 2048))
-        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        self.runner = runner(config, loaded, self.max_model_len, self.device)
+        max_model_len = min(config.max_model_len or model_limit, model_limit)
+        self.runner = runner(config, loaded, max_model_len, self.device)
         usable_tokens = (self.runner.num_blocks - 1) * config.block_size
-        if usable_tokens < self.max_model_len:
+        if usable_tokens < max_model_len:
             raise ValueError(
                 f"the KV cache holds {usable_tokens} tokens ({self.runner.num_blocks} blocks of "
-                f"{config.block_size}), less than --max-model-len {self.max_model_len}: raise "
+                f"{config.block_size}), less than --max-model-len {max_model_len}: raise "
                 "--kv-cache-gib or lower --max-model-len")
-        self.kv_connector: KVConnectorScheduler | None = None
-        self.kv_worker: KVConnectorWorker | None = None
-        self.engine_id = new_engine_id(engine_index)
+        connector, engine_id = None, None
         if config.role != "both":
-            self.kv_connector, self.kv_worker = make_connector(config, engine_index)
-            self.engine_id = self.kv_worker.engine_id
-            self.runner.register_kv_connector(self.kv_worker)
-        self.kv_events: KVEventPublisher | None = None
-        self._published_load: EngineLoad | None = None
-        if config.kv_events_port:
-            (port, replay_port), host = config.kv_events_ports(engine_index), config.kv_events_host
-            self.kv_events = KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}",
-                                              config.kv_events_buffer_steps)
-            self._publish([AllBlocksCleared()], EngineLoad(0, 0, 0.0))  # a new engine id starts empty
-        self.scheduler = Scheduler(
-            KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                           record_events=self.kv_events is not None),
-            config.max_num_seqs, config.step_token_budget(self.device.type), self.max_model_len,
-            self.kv_connector, config.kv_failure_policy, config.scheduling_policy,
-        )
-        self._idle = True  # the last step computed nothing and produced no output
+            connector = make_connector(config, engine_index)
+            engine_id = connector[1].engine_id
+            self.runner.register_kv_connector(connector[1])
+        super().__init__(config, engine_index, self.runner.num_blocks, max_model_len, self.device.type, connector,
+                         engine_id)
         # Structured output: grammars compile on a worker thread; their requests wait here meanwhile.
         self.grammars = GrammarCompiler(weights_dir(src), int(loaded.hf_config.vocab_size), loaded.eos_token_ids)
         self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
@@ -144,49 +224,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self._compiling:
             self._admit_compiled()
-        if self.kv_worker is not None:
-            self.scheduler.update_from_kv_output(self.kv_worker.get_finished(), time.monotonic())
-        sched = self.scheduler.schedule()
-        if self.kv_worker is not None and self.kv_connector is not None:
-            self.kv_worker.start_load_kv(self.kv_connector.build_connector_meta())
-        # Before the forward pass too: the requests that came in during the last step are now counted,
-        # and routers weighing queues see them a step sooner (a long prefill step is most of a second).
-        self._publish_changes()
-        sampled = self.runner.execute(sched) if not sched.is_empty else {}
-        outputs = self.scheduler.update_from_output(sched, sampled)
-        self._idle = sched.is_empty and not outputs
-        self._publish_changes()
-        return outputs
-
-    def _publish_changes(self) -> None:
-        """The cache events since the last batch, with the load when it changed."""
-        if self.kv_events is not None:
-            events, load = self.scheduler.kv.pool.take_events(), self._load_change()
-            if events or load is not None:
-                self._publish(events, load or self._published_load)
-
-    def _load_change(self) -> EngineLoad | None:
-        """The scheduler's load, when routers have not seen it: a request came, started or ended, or
-        KV usage moved by a percent point since the last load published."""
-        s = self.scheduler
-        now = EngineLoad(len(s.running), len(s.waiting) + len(s.waiting_for_kv), s.kv.usage)
-        last = self._published_load
-        if last is not None and (now.running, now.waiting) == (last.running, last.waiting) \
-                and abs(now.kv_usage - last.kv_usage) < 0.01:
-            return None
-        return now
-
-    def _publish(self, events: list[KVEvent], load: EngineLoad | None = None) -> None:
-        assert self.kv_events is not None
-        self.kv_events.publish(KVEventBatch(time.time(), self.engine_id, events, load))
-        if load is not None:
-            self._published_load = load
-
-    @property
-    def kv_busy(self) -> bool:
-        """Blocks held under a lease, or loads not yet reported: the loop keeps stepping."""
-        return self.kv_worker is not None and self.kv_worker.has_pending or \
-            self.kv_connector is not None and self.kv_connector.num_held_blocks > 0
+        sched = self.begin_step()
+        return self.finish_step(sched, self.runner.execute(sched) if not sched.is_empty else {})
 
     def wait_timeout(self) -> float | None:
         """How long the busy loop may block on its input queue: 0 not at all, None until input."""
@@ -208,11 +247,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
-        if self.kv_worker is not None:
-            self.kv_worker.shutdown()
-        if self.kv_events is not None:
-            self._publish([AllBlocksCleared()])
-            self.kv_events.close()
-
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        super().shutdown()

@@ -68,40 +68,106 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
 
 
+class KVEventLog:
+    """What a publisher keeps, without its sockets: the sequence numbers, the last `buffer_steps` batches
+    for replay, and what the published events say the cache holds, for a snapshot when a replay asks for
+    more than the buffer reaches. KVEventPublisher drives one from a thread; the simulated engines drive
+    theirs from one event loop (tandem_engine/sim)."""
+
+    def __init__(self, topic: bytes, buffer_steps: int) -> None:
+        self.topic = topic
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        self.last_sent = time.monotonic()
+        self._held: dict[int, None] = {}  # insertion-ordered set
+        self.engine_id = ""
+        self._block_size = 0
+        self._load: EngineLoad | None = None  # the last load published: heartbeats and snapshots repeat it
+
+    def record(self, batch: KVEventBatch) -> list[bytes]:
+        """The PUB frames of `batch`, numbered next and kept for replay."""
+        payload = _encoder.encode(batch)
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        self.last_sent = time.monotonic()
+        self._track(batch)
+        return [self.topic, seq.to_bytes(8, "big"), payload]
+
+    def heartbeat(self, heartbeat_s: float) -> KVEventBatch | None:
+        """The empty batch an idle engine sends every `heartbeat_s`, so that a subscriber notices a restart
+        (new engine id) or a lost batch (gap) within a second, not at the next request; None if not due."""
+        if self.engine_id and time.monotonic() - self.last_sent >= heartbeat_s:
+            return KVEventBatch(time.time(), self.engine_id, [], self._load)
+        return None
+
+    def _track(self, batch: KVEventBatch) -> None:
+        if batch.engine_id != self.engine_id:
+            self._load = None  # another engine's load is not this one's
+        self.engine_id = batch.engine_id
+        if batch.load is not None:
+            self._load = batch.load
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._block_size = ev.block_size
+                self._held.update(dict.fromkeys(ev.block_hashes))
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self._held.pop(h, None)
+            else:
+                self._held.clear()
+
+    def _snapshot(self) -> bytes:
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if self._held:
+            events.append(BlockStored(list(self._held), None, [], self._block_size))
+        return _encoder.encode(KVEventBatch(time.time(), self.engine_id, events, self._load))
+
+    def replay_answer(self, frames: list[bytes]) -> list[list[bytes]]:
+        """The ROUTER frames answering a replay request: every buffered batch from the sequence number asked
+        for, or one snapshot if the buffer no longer reaches it; then the end marker."""
+        identity, start = frames[0], frames[-1]
+        if len(start) != 8:
+            logger.warning("kv-events replay: a request of %d bytes is not a sequence number", len(start))
+            return [[identity, b"", END_SEQ, b""]]
+        first = int.from_bytes(start, "big")
+        if self._buffer and first < self._buffer[0][0]:  # part of what was asked for is gone
+            last = self._seq - 1
+            answer = [[identity, b"", last.to_bytes(8, "big"), self._snapshot()]]
+        else:
+            answer = [[identity, b"", seq.to_bytes(8, "big"), payload] for seq, payload in self._buffer
+                      if seq >= first]
+        return [*answer, [identity, b"", END_SEQ, b""]]
+
+
+def bind_replay(sock: zmq.Socket[Any], endpoint: str) -> None:
+    """A ROUTER drops what passes its high-water mark (1,000 messages by default): a replay of a full buffer
+    would lose batches in its middle, or its end marker. The answer is queued whole instead (its batches
+    are held in the buffer anyway)."""
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.bind(endpoint)
+
+
 class KVEventPublisher:
-    """Publishes batches from the engine loop without blocking it: a thread owns both sockets, keeps
-    the last `buffer_steps` batches for replay and answers replay requests."""
+    """Publishes batches from the engine loop without blocking it: a thread owns both sockets and the
+    KVEventLog, and answers replay requests."""
 
     def __init__(self, pub_endpoint: str, replay_endpoint: str, buffer_steps: int, topic: str = "kv-events",
                  heartbeat_s: float = 1.0) -> None:
-        self.topic = topic.encode()
         self._ctx: zmq.Context[Any] = zmq.Context()
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.bind(pub_endpoint)
             self._replay = self._ctx.socket(zmq.ROUTER)
-            # A ROUTER drops what passes its high-water mark (1,000 messages by default): a replay of a
-            # full buffer would lose batches in its middle, or its end marker. The answer is queued
-            # whole instead (its batches are held in the buffer anyway).
-            self._replay.setsockopt(zmq.SNDHWM, 0)
-            self._replay.bind(replay_endpoint)
+            bind_replay(self._replay, replay_endpoint)
         except zmq.ZMQError:
             self._ctx.destroy(linger=0)  # a taken port: no socket or context outlives the error
             raise
         self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.log = KVEventLog(topic.encode(), buffer_steps)
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
-        self._seq = 0
-        # An idle engine still sends an empty batch this often, so that a subscriber notices a restart
-        # (new engine id) or a lost batch (gap) within a second, not at the next request.
         self.heartbeat_s = heartbeat_s
-        self._last_sent = time.monotonic()
-        # What the published events say the cache holds, for snapshots (insertion-ordered set).
-        self._held: dict[int, None] = {}
-        self._engine_id = ""
-        self._block_size = 0
-        self._load: EngineLoad | None = None  # the last load published: heartbeats and snapshots repeat it
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -125,62 +191,15 @@ class KVEventPublisher:
                 stop = False
             else:
                 stop = batch is None
+            if batch is None:
+                batch = self.log.heartbeat(self.heartbeat_s)
             if batch is not None:
-                self._send(batch)
-            elif self._engine_id and time.monotonic() - self._last_sent >= self.heartbeat_s:
-                self._send(KVEventBatch(time.time(), self._engine_id, [], self._load))
+                self._pub.send_multipart(self.log.record(batch))
             for sock, _ in poller.poll(0):
-                self._answer_replay(sock)
+                for frames in self.log.replay_answer(sock.recv_multipart()):
+                    sock.send_multipart(frames)
             if stop:
                 return
-
-    def _send(self, batch: KVEventBatch) -> None:
-        payload = _encoder.encode(batch)
-        seq = self._seq
-        self._seq += 1
-        self._buffer.append((seq, payload))
-        self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
-        self._last_sent = time.monotonic()
-        self._track(batch)
-
-    def _track(self, batch: KVEventBatch) -> None:
-        if batch.engine_id != self._engine_id:
-            self._load = None  # another engine's load is not this one's
-        self._engine_id = batch.engine_id
-        if batch.load is not None:
-            self._load = batch.load
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                self._block_size = ev.block_size
-                self._held.update(dict.fromkeys(ev.block_hashes))
-            elif isinstance(ev, BlockRemoved):
-                for h in ev.block_hashes:
-                    self._held.pop(h, None)
-            else:
-                self._held.clear()
-
-    def _snapshot(self) -> bytes:
-        events: list[KVEvent] = [AllBlocksCleared()]
-        if self._held:
-            events.append(BlockStored(list(self._held), None, [], self._block_size))
-        return _encoder.encode(KVEventBatch(time.time(), self._engine_id, events, self._load))
-
-    def _answer_replay(self, sock: zmq.Socket[bytes]) -> None:
-        frames = sock.recv_multipart()
-        identity, start = frames[0], frames[-1]
-        if len(start) != 8:
-            logger.warning("kv-events replay: a request of %d bytes is not a sequence number", len(start))
-            sock.send_multipart([identity, b"", END_SEQ, b""])
-            return
-        first = int.from_bytes(start, "big")
-        if self._buffer and first < self._buffer[0][0]:  # part of what was asked for is gone
-            last = self._seq - 1
-            sock.send_multipart([identity, b"", last.to_bytes(8, "big"), self._snapshot()])
-        else:
-            for seq, payload in self._buffer:
-                if seq >= first:
-                    sock.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-        sock.send_multipart([identity, b"", END_SEQ, b""])
 
 
 def replay(endpoint: str, start_seq: int, timeout_s: float = 5.0) -> list[tuple[int, KVEventBatch]]:
