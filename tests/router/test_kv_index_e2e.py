@@ -1,6 +1,7 @@
 """A real engine behind a real router: the router's exact index follows the engine's prefix cache through
 a random run with evictions (a small KV cache), predicts every request's prefix-cache hit exactly, and
-drops the engine's entries when the engine restarts."""
+drops the engine's entries when the engine restarts. A simulated engine (`tandem sim`, issue 45) passes the
+same test: the router cannot tell them apart."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
 import pytest
-from tests.engine.engine_server import MODEL, launch
+from tests.engine.engine_server import MODEL, launch, launch_sim
 
 from tandem_engine.core import kv_events as engine_events
 from tandem_router import router as router_module
 from tandem_router.kv_events import BlockRemoved, decode_batch
 from tandem_router.kv_index import KVIndex, Publisher
-from tandem_router.procs import free_port, free_port_pair
+from tandem_router.procs import free_ports
 from tandem_router.request import parse_request
 
 pytestmark = pytest.mark.slow
@@ -70,13 +72,19 @@ async def load_follows_the_engine(rt, url: str) -> None:
     assert ep.kv_usage == 0.0
 
 
+@pytest.mark.parametrize("sim", [False, True], ids=["real", "sim"])
 async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarted_engine(
-        router, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    events_port, http_port = free_port_pair(), free_port()
+        router, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sim: bool) -> None:
+    # The engine's ports; a simulated fleet's first engine takes the ones before them.
+    events_port, http_port = free_ports("127.0.0.1", 4) + 2, free_ports("127.0.0.1", 2) + 1
     args = ["--kv-events-port", str(events_port), "--block-size", str(BS), "--num-kv-blocks", "40",
             "--max-model-len", "320"]
     replay_endpoint = f"tcp://127.0.0.1:{events_port + 1}"
-    engine = launch(tmp_path, args, port=http_port)
+
+    def start() -> Any:
+        return launch_sim(tmp_path, args, first_port=http_port - 1) if sim else launch(tmp_path, args, port=http_port)
+
+    engine = start()
     try:
         await asyncio.to_thread(engine.wait_healthy, 300)
         # Engine load is read from /metrics once a minute here: what the router knows sooner came in events.
@@ -114,7 +122,7 @@ async def test_index_predicts_every_hit_through_evictions_and_forgets_a_restarte
         # A restarted engine (same ports, new boot nonce) starts empty: its old entries go.
         old_id = stream.engine_id
         engine.stop()  # a clean stop says AllBlocksCleared already; the new engine's id must replace the old
-        engine = launch(tmp_path, args, port=http_port)
+        engine = start()
         await asyncio.to_thread(engine.wait_healthy, 300)
         deadline = time.monotonic() + 30
         while stream.engine_id in (None, old_id):

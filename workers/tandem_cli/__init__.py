@@ -12,6 +12,7 @@ import sys
 # subcommand -> (module, function taking argv)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("tandem_engine.entrypoints.cli", "main", "run an engine (OpenAI API server + EngineCore)"),
+    "sim": ("tandem_engine.sim.server", "main", "run N simulated engines in one process (fleet-scale tests)"),
     "route": ("tandem_router.cli", "main", "run the router"),
     "up": ("tandem_router.local_stack", "main", "run router + prefill + decode engines locally"),
     "bench": ("tandem_router.bench", "main", "benchmark any OpenAI-compatible endpoint"),

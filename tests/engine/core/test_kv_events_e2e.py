@@ -1,4 +1,5 @@
-"""A real engine's KV events: its prompt's blocks, with the hashes a router computes from the tokens."""
+"""A real engine's KV events: its prompt's blocks, with the hashes a router computes from the tokens; and a
+simulated engine's (`tandem sim`, issue 45), which must be the same wire."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tandem_engine.core.kv_events import (
 from tandem_engine.request import Request
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.worker.model_runner import ModelRunner
-from tandem_router.procs import free_port_pair
+from tandem_router.procs import free_port_pair, free_ports
 from tests.engine.engine_server import MODEL, run_server
 
 pytestmark = pytest.mark.slow
@@ -40,14 +41,16 @@ def chain(tokens: list[int]) -> list[int]:
     return hashes
 
 
-def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> None:
-    port = free_port_pair()  # PUB on the port, replay on the next
+@pytest.mark.parametrize("sim", [False, True], ids=["real", "sim"])
+def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path, sim: bool) -> None:
+    # PUB on the port, replay on the next; a simulated fleet's first engine on the two before.
+    port = free_ports("127.0.0.1", 4) + 2
     args = ["--kv-events-port", str(port), "--block-size", str(BS), "--max-model-len", "512"]
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
-    with run_server(args, tmp_path) as s:
+    with run_server(args, tmp_path, sim=sim) as s:
         # Routers find the sockets through the HTTP port.
         assert httpx.get(s.url + "/kv_events", timeout=10).json() == {"block_size": BS, "publishers": [
             {"rank": 0, "host": "127.0.0.1", "port": port, "replay_port": port + 1}]}
@@ -81,7 +84,7 @@ def test_engine_publishes_its_cache_and_a_restart_clears_it(tmp_path: Path) -> N
     sub.close()
     assert seen and seen[-1].events == [AllBlocksCleared()] and seen[-1].engine_id == engine_id
     # A restarted engine is a new engine id whose cache starts empty.
-    with run_server(args, tmp_path / "again") as s:
+    with run_server(args, tmp_path / "again", sim=sim) as s:
         (_, first), *_ = replay(f"tcp://127.0.0.1:{port + 1}", 0)
         assert first.events == [AllBlocksCleared()] and first.engine_id != engine_id
 

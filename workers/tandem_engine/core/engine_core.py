@@ -12,7 +12,14 @@ import torch
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv_cache_manager import KVCacheManager
-from tandem_engine.core.kv_events import AllBlocksCleared, EngineLoad, KVEvent, KVEventBatch, KVEventPublisher
+from tandem_engine.core.kv_events import (
+    AllBlocksCleared,
+    EngineLoad,
+    EventPublisher,
+    KVEvent,
+    KVEventBatch,
+    KVEventPublisher,
+)
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.core.structured_output import Grammar, GrammarCompiler
 from tandem_engine.kv_transfer.factory import make_connector
@@ -64,7 +71,7 @@ class SchedulingCore:
         if connector is not None:
             self.kv_connector, self.kv_worker = connector
         self.engine_id = engine_id or new_engine_id(engine_index)
-        self.kv_events: KVEventPublisher | None = None
+        self.kv_events: EventPublisher | None = None
         self._published_load: EngineLoad | None = None
         if config.kv_events_port:
             self.kv_events = self._event_publisher()
@@ -77,7 +84,7 @@ class SchedulingCore:
         )
         self._idle = True  # the last step computed nothing and produced no output
 
-    def _event_publisher(self) -> KVEventPublisher:
+    def _event_publisher(self) -> EventPublisher:
         (port, replay_port), host = self.config.kv_events_ports(self.engine_index), self.config.kv_events_host
         return KVEventPublisher(f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}",
                                 self.config.kv_events_buffer_steps)
@@ -131,7 +138,8 @@ class SchedulingCore:
         return self.kv_worker is not None and self.kv_worker.has_pending or \
             self.kv_connector is not None and self.kv_connector.num_held_blocks > 0
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """Stop the KV connector's worker side; tell routers the cache is gone and stop publishing."""
         if self.kv_worker is not None:
             self.kv_worker.shutdown()
         if self.kv_events is not None:
@@ -247,4 +255,4 @@ class EngineCore(SchedulingCore):
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
-        super().shutdown()
+        self.close()

@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -66,6 +66,14 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
+
+
+class EventPublisher(Protocol):
+    """Where an engine core hands its batches: KVEventPublisher, or a simulated engine's (tandem_engine/sim)."""
+
+    def publish(self, batch: KVEventBatch) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class KVEventLog:

@@ -185,7 +185,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
         from tandem_engine.frontend.async_llm import AsyncLLM
         from tandem_engine.frontend.interface import EngineDeadError
 
-        server_class = _make_server_class()
+        server_class = make_server_class()
         engine = await AsyncLLM.create(core)
     except EngineStartupError as e:
         logger.error("[startup] %s", e)
@@ -221,7 +221,7 @@ async def serve(config: EngineConfig, host: str, port: int, log_level: str) -> i
     return exit_code if not server.started or exit_code else 0
 
 
-def _make_server_class() -> Any:  # a subclass of uvicorn.Server, imported late
+def make_server_class() -> Any:  # a subclass of uvicorn.Server, imported late
     import uvicorn
 
     class Server(uvicorn.Server):

@@ -15,7 +15,7 @@ from tandem_engine.cpu_budget import ThreadPlan
 from tandem_engine.frontend.admission import WaitingBound
 from tandem_engine.frontend.chat_templates import tools_template
 from tandem_engine.frontend.core_client import CoreClient
-from tandem_engine.frontend.interface import EngineClient, EngineDeadError, RequestError, RequestOutput
+from tandem_engine.frontend.interface import EngineClient, EngineCores, EngineDeadError, RequestError, RequestOutput
 from tandem_engine.frontend.metrics import EngineMetrics
 from tandem_engine.frontend.output_processor import OutputProcessor
 from tandem_engine.frontend.tokenizer_spec import tokenizer_spec
@@ -54,9 +54,10 @@ class AsyncLLM(EngineClient):
         logger.info("[startup] %d engine(s) ready in %.1fs", len(core.procs), time.perf_counter() - core.launched_at)
         return engine
 
-    def __init__(self, config: EngineConfig, thread_plan: ThreadPlan, core: CoreClient,
-                 hf_config: HFConfig, tokenizer: Any, eos_ids: list[int]) -> None:
-        """Takes a core client whose engines are READY (see `create`) and starts consuming its outputs."""
+    def __init__(self, config: EngineConfig, thread_plan: ThreadPlan, core: EngineCores,
+                 hf_config: HFConfig, tokenizer: Any, eos_ids: list[int], tokenizer_spec: bytes | None = None) -> None:
+        """Takes a core client whose engines are READY (see `create`) and starts consuming its outputs.
+        `tokenizer_spec`: GET /tokenizer's body when another engine of the same tokenizer built it already."""
         self.config = config
         self.thread_plan = thread_plan
         self.model_name = config.served_name
@@ -76,7 +77,7 @@ class AsyncLLM(EngineClient):
         self.vocab_size: int | None = int(getattr(hf_config, "vocab_size", 0)) or None
         self.eos_token_ids = eos_ids
         self.output_processor = OutputProcessor(tokenizer, self.metrics)
-        self._tokenizer_spec: bytes | None = None
+        self._tokenizer_spec = tokenizer_spec
         self._dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._draining = False

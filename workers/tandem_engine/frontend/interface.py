@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tandem_engine.config import SchedulingPolicy
+from tandem_engine.protocol import EngineCoreOutputs, EngineCoreRequest, ReadyMessage
 from tandem_engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -127,3 +128,24 @@ class EngineClient(ABC):
     @property
     @abstractmethod
     def dead_error(self) -> BaseException | None: ...
+
+
+class EngineCores(Protocol):
+    """What AsyncLLM asks of the engine cores behind it: the EngineCore processes over ZMQ
+    (frontend/core_client.py's CoreClient), or simulated cores in the same event loop (tandem_engine/sim)."""
+
+    ready: list[ReadyMessage]  # one per core, in order
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_dtype(self) -> str: ...
+
+    def run(self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[str], None]) -> None: ...
+
+    async def add_request(self, req: EngineCoreRequest) -> None: ...
+
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    async def shutdown(self, drain_s: float = 30.0) -> None: ...

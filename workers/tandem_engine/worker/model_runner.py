@@ -38,6 +38,16 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else pick_dtype(name)
 
 
+def kv_cache_blocks(config: EngineConfig, layout: tuple[int, int, int], kv_dtype: torch.dtype) -> int:
+    """The KV blocks an engine holds: --num-kv-blocks, else as many as --kv-cache-gib takes of a model whose
+    kv_layout is `layout`."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    num_layers, num_kv_heads, head_dim = layout
+    per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
+    return max(2, int(config.kv_cache_gib * (1 << 30)) // per_block)
+
+
 def select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
     name = config.attention_backend
     if name == "triton" or (name == "auto" and device.type == "cuda"):
@@ -90,11 +100,7 @@ class ModelRunner:
         return self.block_size * self.num_kv_heads * self.head_dim * self.kv_pool.element_size()
 
     def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-        return max(2, int(self.config.kv_cache_gib * (1 << 30)) // per_block)
+        return kv_cache_blocks(self.config, (self.num_layers, self.num_kv_heads, self.head_dim), self.kv_dtype)
 
     def warm_up(self) -> float:
         """One prefill and one decode-shaped step on scratch blocks, so the first request is not slow."""
