@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ from tandem_engine.kernels.paged_attention import build_kernel, kernel_scratch
 from tandem_engine.models.loader import load_config_and_tokenizer, resolve_model
 
 SOURCE = "workers/tandem_engine/kernels/paged_attention.c"
+# Where a revision may hold the decode kernel: this tree's place, then attention/ (before the kernels moved).
+SOURCES = (SOURCE, "workers/tandem_engine/attention/paged_attention.c")
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = ("contiguous", "scattered")
 
@@ -108,13 +111,23 @@ def shapes_entry(shapes: tuple[int, int, int, int, int]) -> dict[str, int]:
     return dict(zip(("layers", "query_heads", "kv_heads", "head_dim", "block_size"), shapes, strict=True))
 
 
-def build_pair(baseline: str, cache: Path) -> dict[str, Any]:
-    """This tree's kernel and the one at git revision `baseline`, built under `cache` with the current
-    flags (kernels/build.py: `TANDEM_CPU_KERNEL_MARCH` picks the ISA level), by name."""
-    base_src = subprocess.run(["git", "show", f"{baseline}:{SOURCE}"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout
-    libs = {"this tree": build_kernel((REPO / SOURCE).read_text(), cache),
-            f"baseline {baseline}": build_kernel(base_src, cache, "paged_attention_baseline")}
+def source_at(revision: str, paths: Sequence[str]) -> str:
+    """The text of the first of `paths` (relative to the repository) that git revision `revision` holds."""
+    for path in paths:
+        shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, capture_output=True, text=True)
+        if shown.returncode == 0:
+            return shown.stdout
+    raise RuntimeError(f"{revision} holds none of {', '.join(paths)}")
+
+
+def build_pair(baseline: str, cache: Path, build: Callable[..., Any] = build_kernel,
+               paths: Sequence[str] = SOURCES) -> dict[str, Any]:
+    """This tree's kernel (`paths[0]`) and the one at git revision `baseline` (the first of `paths` it holds),
+    built by `build` (a wrapper's build_kernel) under `cache` with the current flags (kernels/build.py:
+    `TANDEM_CPU_KERNEL_MARCH` picks the ISA level), by name."""
+    name = Path(paths[0]).stem
+    libs = {"this tree": build((REPO / paths[0]).read_text(), cache),
+            f"baseline {baseline}": build(source_at(baseline, paths), cache, name=f"{name}_baseline")}
     if any(lib is None for lib in libs.values()):
         raise RuntimeError("a kernel did not build (see the warning above)")
     return libs

@@ -1,5 +1,7 @@
-"""The C kernel's prefill attention alone (`tandem_prefill_attention`), this tree's source against another
-revision's, on the embedded model's shapes, for the native build and an AVX2 (x86-64-v3) build.
+"""The C kernel's prefill attention alone (`tandem_prefill_attention`), this tree's source
+(kernels/prefill_attention.c) against another revision's (that file, or where the prefill code was before:
+kernels/paged_attention.c, attention/paged_attention.c), on the embedded model's shapes, for the native build
+and an AVX2 (x86-64-v3) build.
 
     .venv/bin/python bench/prefill_attention.py [--baseline d5ccb39 --iters 9]
 
@@ -24,15 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attention_kernel import build_pair, model_shapes, shapes_entry
+from attention_kernel import SOURCES, build_pair, model_shapes, shapes_entry
 from harness import bench_main, describe, save_plot
 
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
+from tandem_engine.kernels.prefill_attention import build_kernel
 
 # name: (query tokens, tokens in all) of each prefill in the step
 CASES = {"2 x 256 prompts": [(256, 256), (256, 256)], "1 x 512 prompt": [(512, 512)],
          "512 after 1,536 cached": [(512, 2048)]}
 BUILDS = ("native", "x86-64-v3")
+# Where a revision may hold the prefill kernel: this tree's file, then the decode kernel's (one file before).
+PREFILL_SOURCES = ("workers/tandem_engine/kernels/prefill_attention.c", *SOURCES)
 
 
 def parse_args() -> argparse.Namespace:
@@ -105,7 +110,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         if build != "native":
             os.environ[KERNEL_MARCH_ENV] = build
         try:
-            libs = build_pair(a.baseline, cache)
+            libs = build_pair(a.baseline, cache, build_kernel, PREFILL_SOURCES)
         finally:
             os.environ.pop(KERNEL_MARCH_ENV, None)
         per_case: dict[str, Any] = {}

@@ -35,19 +35,21 @@ def test_prepare_builds_every_kernel_a_start_loads(tmp_path: Path) -> None:
     from tandem_engine.kernels.gguf_matmul import load_gguf_kernel
     from tandem_engine.kernels.paged_attention import load_kernel
     from tandem_engine.kernels.panel_matmul import load_panel_kernel
+    from tandem_engine.kernels.prefill_attention import load_kernel as load_prefill_kernel
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_weights())
     cache = tmp_path / "cache"
     assert prepare.main(["--model", str(gguf), "--cache-dir", str(cache)]) == 0
     built = {p.name for p in (cache / "kernels").glob("*.so")}
-    assert {name.split("_")[0] for name in built} >= {"paged", "fused", "gguf", "panel"}
+    assert {name.split("_")[0] for name in built} >= {"paged", "prefill", "fused", "gguf", "panel"}
     assert any(n.startswith("gguf_matmul_") for n in built) and any(n.startswith("decode_step_") for n in built)
     if platform.machine() == "x86_64":  # built for nodes with AMX whatever this machine has
         assert any(n.startswith("amx_matmul_") for n in built)
     load_gguf_kernel.cache_clear()  # a start is a fresh process: nothing remembered from prepare
     load_panel_kernel.cache_clear()
     try_build.cache_clear()
-    assert load_kernel(cache) is not None and load_fused_ops(cache).native
+    assert load_kernel(cache) is not None and load_prefill_kernel(cache) is not None
+    assert load_fused_ops(cache).native
     assert load_decode_kernel(cache) is not None and load_panel_kernel(cache) is not None
     load_gguf_kernel(cache)
     if platform.machine() == "x86_64":

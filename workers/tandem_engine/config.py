@@ -94,7 +94,7 @@ class EngineConfig:
     kv_events_buffer_steps: int = 10000
     # Compute
     attention_backend: AttentionBackendName = "auto"
-    cpu_attention_kernel: bool = True  # the C paged-attention kernel of the torch backend, where it builds
+    cpu_attention_kernel: bool = True  # the torch backend's C attention kernels (decode, prefill), where they build
     cpu_fused_kernels: bool = True  # C kernels for residual add + RMSNorm, SiLU * up and RoPE (kernels/fused.py)
     onednn_pack: bool = True  # oneDNN-prepacked weights for batched CPU matmuls (models/packed_linear.py)
     # float32 matmuls of 32 rows or more on AMX over a GGUF file's blocks, where the CPU has AMX

@@ -1,6 +1,6 @@
 """Build what an engine would otherwise build at its first start: the model cache of a GGUF model and the
-CPU kernels (attention, fused norm and activation, the fused decode step and its float32 panel matmul, and
-`--quantization gguf`'s matmul), into a cache directory: for this CPU, or for every ISA level
+CPU kernels (decode and prefill attention, fused norm and activation, the fused decode step and its float32
+panel matmul, and `--quantization gguf`'s matmul), into a cache directory: for this CPU, or for every ISA level
 `TANDEM_CPU_KERNEL_MARCH` lists (`x86-64-v4,x86-64-v3` in the image). The worker image runs it at build
 time so that pods start warm from a read-only cache (docs/operations.md, "Start-up and the model cache"):
 
@@ -24,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     """Build the model's cache (a GGUF's; nothing for a safetensors directory) and, with `kernel`, every CPU
-    kernel an engine may build at start (attention, fused norm and activation, the fused decode step and
-    the dense path's panel matmul; `--quantization gguf`'s matmul; on x86, a bfloat16 model's AMX matmul)
-    under `cache_dir`. Returns the model's
-    safetensors directory. Raises RuntimeError if a kernel cannot be built."""
+    kernel an engine may build at start (decode and prefill attention, fused norm and activation, the fused
+    decode step and the dense path's panel matmul; `--quantization gguf`'s matmul; on x86, a bfloat16 model's
+    AMX matmul) under `cache_dir`. Returns the model's safetensors directory. Raises RuntimeError if a kernel
+    cannot be built."""
     from tandem_engine.kernels.amx_matmul import build_amx_kernel
     from tandem_engine.kernels.build import compile_for_level, kernel_levels, kernel_march, recording
     from tandem_engine.kernels.decode_step import load_decode_kernel
@@ -35,6 +35,7 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     from tandem_engine.kernels.gguf_matmul import load_gguf_kernel
     from tandem_engine.kernels.paged_attention import load_kernel
     from tandem_engine.kernels.panel_matmul import load_panel_kernel
+    from tandem_engine.kernels.prefill_attention import load_kernel as load_prefill_kernel
     from tandem_engine.models.loader import resolve_model, weights_dir
 
     t0 = time.perf_counter()
@@ -42,7 +43,8 @@ def prepare(model: str, cache_dir: Path, kernel: bool = True) -> Path:
     if kernel:
         with recording() as built:
             load_gguf_kernel(cache_dir)  # RuntimeError naming the flag if it cannot be built
-            if load_kernel(cache_dir) is None or not load_fused_ops(cache_dir).native \
+            if load_kernel(cache_dir) is None or load_prefill_kernel(cache_dir) is None \
+                    or not load_fused_ops(cache_dir).native \
                     or load_decode_kernel(cache_dir) is None or load_panel_kernel(cache_dir) is None:
                 raise RuntimeError("the CPU kernels could not be built (is a C compiler installed?)")
             if platform.machine() in ("x86_64", "AMD64"):  # for nodes with AMX; a compiler without it only warns

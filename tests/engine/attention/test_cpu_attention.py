@@ -143,6 +143,25 @@ def test_kernel_head_ranges_are_the_whole_rows_heads(heads: tuple[int, int, int]
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("missing", ["decode", "prefill"])
+def test_the_two_kernel_libraries_are_on_together_or_off(missing: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows (paged_attention.c) and prefill chunks (prefill_attention.c) are two libraries: where
+    either cannot be built, the backend runs as without a compiler (torch SDPA everywhere, no entries for the
+    fused step), and a backend told to use the kernels refuses to start."""
+    import tandem_engine.attention.cpu_backend as cpu_backend
+
+    name = "load_kernel" if missing == "decode" else "load_prefill_kernel"
+    monkeypatch.setattr(cpu_backend, name, lambda cache: None)
+    backend = CpuAttentionBackend(cache_dir=tmp_path)
+    assert backend._kernel is None and backend._prefill_kernel is None and backend.step_entries is None
+    with pytest.raises(RuntimeError, match="could not be built"):
+        CpuAttentionBackend(use_kernel=True, cache_dir=tmp_path)
+    monkeypatch.undo()
+    entries = CpuAttentionBackend(cache_dir=tmp_path).step_entries
+    assert entries is not None and all(entries.values())
+
+
 def test_plan_is_rebuilt_for_a_new_step() -> None:
     """Two consecutive steps through one backend instance must not reuse the first step's plan."""
     backend = CpuAttentionBackend()

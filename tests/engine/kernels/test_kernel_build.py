@@ -1,5 +1,6 @@
-"""Where the C attention kernel is built and found: for a named ISA level (the image's build), only on a
-CPU with that level's features, and outside a read-only cache directory."""
+"""Where the C attention kernels (and every other C kernel) are built and found: for a named ISA level (the
+image's build), only on a CPU with that level's features, and outside a read-only cache directory; and what
+every build of them must hold."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_engine.kernels import build
+from tandem_engine.kernels import build, prefill_attention
 from tandem_engine.kernels.build import KERNEL_MARCH_ENV
 from tandem_engine.kernels.paged_attention import KERNEL_MATH_FLAGS, SOURCE, load_kernel
 from tests.engine.attention.test_cpu_attention import CASES, run_step
@@ -33,10 +34,12 @@ def test_kernel_built_for_an_isa_level_matches_the_reference(tmp_path: Path, mon
     monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
     out, ref = run_step(*CASES["mixed"], use_kernel=True)  # the backend builds into TANDEM_CACHE_DIR
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    (level,) = (tmp_path / "kernels").glob("*.so")
+    (level,) = (tmp_path / "kernels").glob("paged_attention_*.so")
+    assert len(list((tmp_path / "kernels").glob("prefill_attention_*.so"))) == 1
     monkeypatch.delenv(KERNEL_MARCH_ENV)
     assert load_kernel.__wrapped__(tmp_path) is not None
-    assert len(list((tmp_path / "kernels").glob("*.so"))) == 2, "the native build must not reuse the level's"
+    assert len(list((tmp_path / "kernels").glob("paged_attention_*.so"))) == 2, \
+        "the native build must not reuse the level's"
     assert level.is_file()
 
 
@@ -66,7 +69,8 @@ def test_avx512_build_computes_the_avx2_builds_floats(query_lens: list[int], seq
         out, ref = run_step(query_lens, seq_lens, tables, use_kernel=True, heads=heads, bs=16)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         outs.append(out)
-    assert len(list((tmp_path / "None" / "kernels").glob("*.so"))) == 1, "the native kernel was not built"
+    assert sorted(p.name.rsplit("_", 1)[0] for p in (tmp_path / "None" / "kernels").glob("*.so")) == \
+        ["paged_attention", "prefill_attention"], "the native kernels were not built"
     assert torch.equal(outs[0], outs[1])
 
 
@@ -86,16 +90,20 @@ TARGETS = {
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
                     reason="reads x86-64 machine code with objdump")
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_no_build_calls_math_whose_floats_depend_on_the_vector_width(target: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", ["paged_attention", "prefill_attention"])
+def test_no_build_calls_math_whose_floats_depend_on_the_vector_width(kernel: str, target: str,
+                                                                     tmp_path: Path) -> None:
     """Why every build can compute the same floats: under the kernel's -ffast-math GCC turns a loop of expf
     (or sqrtf, or a division) into calls of libmvec's variant for the loop's width (SSE, AVX2, AVX-512) and
     of scalar expf for its tail, or into approximate reciprocals refined per ISA, and those differ in the
     last bit: the decode softmax's expf made the native build on a Zen 4 and on a Xeon with AVX-512-FP16
     disagree with the x86-64-v3 build. Compiled (not run) for each ISA level and tuning: the object calls no
-    libm function and holds no approximate reciprocal, so a CPU this machine is not still meets the rule."""
-    src = tmp_path / "paged_attention.c"
-    src.write_text(SOURCE)
-    for header, text in build.local_headers(SOURCE).items():
+    libm function and holds no approximate reciprocal, so a CPU this machine is not still meets the rule.
+    Both attention kernels (decode rows, prefill chunks: the prefill softmax's e^x is in the same loops)."""
+    source = SOURCE if kernel == "paged_attention" else prefill_attention.SOURCE
+    src = tmp_path / f"{kernel}.c"
+    src.write_text(source)
+    for header, text in build.local_headers(source).items():
         (tmp_path / header).write_text(text)
     obj = tmp_path / "k.o"
     subprocess.run([os.environ.get("CC", "cc"), "-O3", "-fopenmp", *KERNEL_MATH_FLAGS, *TARGETS[target], "-fPIC",
@@ -204,7 +212,7 @@ def _kernels() -> dict[str, tuple[str, tuple[str, ...]]]:
     from tandem_engine.kernels import amx_matmul, decode_step, fused, gguf_matmul, paged_attention, panel_matmul
 
     found = {m.__name__.rsplit(".", 1)[1]: (m.SOURCE, m.build_flags())
-             for m in (amx_matmul, decode_step, fused, gguf_matmul, paged_attention, panel_matmul)}
+             for m in (amx_matmul, decode_step, fused, gguf_matmul, paged_attention, panel_matmul, prefill_attention)}
     found["gguf_matmul_portable"] = (gguf_matmul.SOURCE, gguf_matmul.build_flags(portable=True))
     return found
 
@@ -221,7 +229,8 @@ def test_every_kernel_source_is_in_kernels_and_has_a_wrapper() -> None:
 def test_every_kernel_compiles_without_a_warning(level: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """-Wall -Wextra -Werror over each kernel with its own flags, for this CPU and for the image's lowest ISA
     level (compiled, not run: this CPU may lack it), with the entry points' prototypes from tandem_kernels.h
-    in scope, so that a definition that drifts from its declaration fails here."""
+    in scope, so that a definition that drifts from its declaration fails here, and the other headers each
+    includes (attention_simd.h) beside it."""
     if level == "native":
         monkeypatch.delenv(KERNEL_MARCH_ENV, raising=False)
     else:
@@ -230,7 +239,8 @@ def test_every_kernel_compiles_without_a_warning(level: str, tmp_path: Path, mon
     for name, (source, _) in kernels.items():
         assert '#include "tandem_kernels.h"' in source, f"{name} does not include the shared header"
         (tmp_path / f"{name}.c").write_text(source)
-    (tmp_path / "tandem_kernels.h").write_text((KERNELS_DIR / "tandem_kernels.h").read_text())
+        for header, text in build.local_headers(source).items():
+            (tmp_path / header).write_text(text)
 
     def compile_one(name: str) -> tuple[str, subprocess.CompletedProcess[str]]:
         flags = kernels[name][1]

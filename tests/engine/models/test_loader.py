@@ -243,6 +243,7 @@ def test_complete_cache_is_only_read(first_load: tuple[loader.LoadedModel, int],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A complete cache (with the kernel, as the worker image bakes it, on a read-only volume) is only
     read by a start: nothing in it is created or modified."""
+    from tandem_engine.kernels import prefill_attention
     from tandem_engine.kernels.paged_attention import load_kernel
     from tandem_engine.prepare import prepare
 
@@ -257,4 +258,5 @@ def test_complete_cache_is_only_read(first_load: tuple[loader.LoadedModel, int],
     assert loader.load_config_and_tokenizer(src)[0].num_hidden_layers == 30
     loader.load_model(src, torch.float32, onednn_pack=False)
     assert load_kernel.__wrapped__(cache_dir) is not None
+    assert prefill_attention.load_kernel.__wrapped__(cache_dir) is not None
     assert snapshot() == before

@@ -1,14 +1,16 @@
-"""Paged attention for CPU: a small C kernel for decode rows, torch SDPA for prefill chunks.
+"""Paged attention for CPU: a small C kernel for decode rows, a tiled one or torch SDPA for prefill chunks.
 
 Decode rows (and two-token chunks) go to a C kernel (built once with the system C compiler, cached,
 called through ctypes) that reads K/V straight from the cache blocks: gathering them first would copy
 every key and value of every sequence on every layer, and on CPU that copy costs more than the
 attention. Each query row is one work item that streams its blocks (every block a contiguous
 [block_size, nkv, D] chunk) once for all heads, so K/V are never repeated per query head.
-Longer chunks use one SDPA per sequence (its GEMMs beat the kernel's dot products there) over
-gathered blocks, with a causal mask offset by the cached context. Without a compiler decode rows fall
-back to a gathered, padded, masked batch SDPA. The kernel computes in float32: a bfloat16 or float16
-model's rows widen for it and their outputs round back to the model's dtype.
+Longer chunks with float32 queries go to a second C kernel, a tiled causal attention (its own library,
+kernels/prefill_attention.c; the two are on or off together); the others use one SDPA per sequence (its
+GEMMs beat the decode kernel's dot products there) over gathered blocks, with a causal mask offset by the
+cached context. Without a compiler decode rows fall back to a gathered, padded, masked batch SDPA. The
+kernel computes in float32: a bfloat16 or float16 model's rows widen for it and their outputs round back
+to the model's dtype.
 The cache may hold a narrower dtype than the model computes in (`--kv-cache-dtype`): keys and values are
 rounded to it when written and widened when read: to float32 by the kernel, to the query's dtype by
 `.to()` after the gather on the SDPA paths.
@@ -29,6 +31,7 @@ from tandem_engine.attention.interface import AttentionBackend, AttentionMetadat
 from tandem_engine.config import default_cache_dir
 from tandem_engine.kernels.build import address
 from tandem_engine.kernels.paged_attention import KERNEL_KV_TYPES, kernel_scratch, load_kernel
+from tandem_engine.kernels.prefill_attention import load_kernel as load_prefill_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +95,23 @@ class _Plan:
     decode: _SdpaDecode | None
     num_decode: int  # rows handled by `decode` (SDPA fallback)
     prefills: list[_Prefill]  # through SDPA
-    kernel_prefills: _KernelPrefills | None = None  # through the kernel's tandem_prefill_attention
+    kernel_prefills: _KernelPrefills | None = None  # through the prefill kernel's tandem_prefill_attention_kv
 
 
 class CpuAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, use_kernel: bool | None = None, cache_dir: Path | None = None) -> None:
-        """use_kernel: None = use the C kernel where it applies and builds; False = torch only.
-        cache_dir: where the built kernel is kept (None: EngineConfig's default)."""
+        """use_kernel: None = use the C kernels where they apply and build; False = torch only.
+        cache_dir: where the built kernels are kept (None: EngineConfig's default)."""
         cache = cache_dir if cache_dir is not None else Path(default_cache_dir()).expanduser()
-        self._kernel = load_kernel(cache) if use_kernel is not False else None
+        # Two libraries, decode rows' (kernels/paged_attention.c) and prefill chunks' (prefill_attention.c):
+        # both or neither, so that the kernels are on or off together, as when they were one library.
+        decode = load_kernel(cache) if use_kernel is not False else None
+        prefill = load_prefill_kernel(cache) if decode is not None else None
+        if prefill is None:
+            decode = None
+        self._kernel, self._prefill_kernel = decode, prefill
         if use_kernel and self._kernel is None:
             raise RuntimeError("the CPU attention kernel could not be built")
         self._plan_meta: AttentionMetadata | None = None
@@ -112,20 +121,20 @@ class CpuAttentionBackend(AttentionBackend):
 
     @property
     def step_entries(self) -> dict[str, int] | None:
-        """Where the kernel's entries for the fused step (worker/decode_step.py) are: a decode row's head range
-        (`attention_heads`) and one work item of the tiled prefill attention (`prefill_attention_item`); None
-        when the kernel is off."""
-        if self._kernel is None:
+        """Where the kernels' entries for the fused step (worker/decode_step.py) are: a decode row's head range
+        (`attention_heads`, the decode library's) and one work item of the tiled prefill attention
+        (`prefill_attention_item`, the prefill library's); None when the kernels are off."""
+        if self._kernel is None or self._prefill_kernel is None:
             return None
         return {"attention_heads": address(self._kernel, "tandem_paged_attention_heads"),
-                "prefill_attention_item": address(self._kernel, "tandem_prefill_attention_item")}
+                "prefill_attention_item": address(self._prefill_kernel, "tandem_prefill_attention_item")}
 
     def prefill_work(self, q_lens: torch.Tensor, nq: int, nkv: int, d: int) -> tuple[int, int]:
         """(work items, scratch floats per thread) of the tiled prefill attention of chunks of q_lens [P] int64
-        contiguous query tokens, nq query heads over nkv KV heads of size d (the kernel must be on)."""
-        assert self._kernel is not None
-        return (self._kernel.tandem_prefill_items(q_lens.data_ptr(), q_lens.numel(), nkv),
-                self._kernel.tandem_prefill_scratch(nq // nkv, d))
+        contiguous query tokens, nq query heads over nkv KV heads of size d (the kernels must be on)."""
+        assert self._prefill_kernel is not None
+        return (self._prefill_kernel.tandem_prefill_items(q_lens.data_ptr(), q_lens.numel(), nkv),
+                self._prefill_kernel.tandem_prefill_scratch(nq // nkv, d))
 
     def write_kv(
         self,
@@ -341,13 +350,13 @@ class CpuAttentionBackend(AttentionBackend):
         out: torch.Tensor,  # [T, nq, D] contiguous float32, the kernel fills the prefills' rows
         scale: float,
     ) -> None:
-        assert self._kernel is not None
+        assert self._prefill_kernel is not None
         _, nq, d = query.shape
         nkv = k_cache.shape[2]
         threads = torch.get_num_threads()
-        scratch = self._scratch_floats(threads * self._kernel.tandem_prefill_scratch(nq // nkv, d))
+        scratch = self._scratch_floats(threads * self._prefill_kernel.tandem_prefill_scratch(nq // nkv, d))
         table = _int32_table(meta)
-        rc = self._kernel.tandem_prefill_attention_kv(
+        rc = self._prefill_kernel.tandem_prefill_attention_kv(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             KERNEL_KV_TYPES[k_cache.dtype], table.data_ptr(),
             table.stride(0), kp.seq_ids.data_ptr(), kp.q_starts.data_ptr(), kp.q_lens.data_ptr(),

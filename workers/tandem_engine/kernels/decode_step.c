@@ -10,10 +10,10 @@
  * chunk's earlier tokens.
  * The work itself is the other kernels' code, reached through function pointers (kernels_t): a matmul in
  * two halves (quantize x, then a range of output columns: gguf_matmul.c's int8 kernel, or
- * panel_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c, and
- * kernels/paged_attention.c's head-range attention of a decode row and work items of its tiled prefill
- * attention, each built with its own flags; so under gguf the step computes the op-by-op path's floats. What
- * this file adds is the threading, RoPE and the cache writes.
+ * panel_matmul.c's float32 panels, whose "quantize" copies x), the row kernels of kernels/fused.c,
+ * kernels/paged_attention.c's head-range attention of a decode row and kernels/prefill_attention.c's work
+ * items of the tiled prefill attention, each built with its own flags; so under gguf the step computes the
+ * op-by-op path's floats. What this file adds is the threading, RoPE and the cache writes.
  *
  * Why: run op by op, a decode step is ~150 parallel regions and a prefill chunk ~300, and under
  * OMP_WAIT_POLICY=PASSIVE (cpu_budget.py: an idle engine must not spin) each one wakes sleeping threads. Here

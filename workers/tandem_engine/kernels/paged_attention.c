@@ -1,17 +1,18 @@
-/* tandem's CPU paged attention for decode rows (see cpu_backend.py, which builds it with the system C
- * compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
- * through ctypes). Rows are shared out over torch's OpenMP thread pool. The KV cache
- * holds float32, bfloat16 or float16 (kv_type 0, 1, 2), and the arithmetic is float32 whatever it holds
- * (docs/architecture.md): with head sizes a multiple of 64 the loops convert 16 values at a time as they load
- * them (ld16kv), for other sizes a block is widened into a per-thread buffer first.
- * Below: the store of a step's keys and values (tandem_write_kv) and the tiled causal attention of prefill
- * chunks over a cache of any of the three (tandem_prefill_attention_kv). */
+/* tandem's CPU paged attention for decode rows (see attention/cpu_backend.py, which builds it with the system
+ * C compiler through kernels/build.py, caches the shared object per source, flags and CPU, and calls it
+ * through ctypes). Rows are shared out over torch's OpenMP thread pool; the whole-step kernel (decode_step.c)
+ * takes a row's head range at a time. The KV cache holds float32, bfloat16 or float16 (kv_type 0, 1, 2), and
+ * the arithmetic is float32 whatever it holds (docs/architecture.md, "CPU kernels"): with head sizes a
+ * multiple of 64 the loops convert 16 values at a time as they load them (ld16kv), for other sizes a block is
+ * widened into a per-thread buffer first. At the end: the store of a step's keys and values
+ * (tandem_write_kv). Prefill chunks are prefill_attention.c's; the vectors both use are attention_simd.h. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "tandem_kernels.h"
+#include "attention_simd.h"
 
 typedef struct {
     const float *q; int64_t q_tok_stride;        /* [T, nq, D], head stride D */
@@ -36,12 +37,6 @@ static const float *block_f32(const job_t *j, const void *cache, int64_t off, in
         for (int64_t i = 0; i < n; i++) buf[i] = f16_to_f32(src[i]);
     return buf;
 }
-
-/* 8 floats in a vector register (GCC/Clang vector extension; aligned(4): loads need no alignment). */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-#define V8(p) (*(const v8 *)(p))
-
-static inline float hsum8_pairs(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 /* a . b for d a multiple of 8: four independent partial sums, so the FMAs do not wait on each other. */
 static inline float dot_v8(const float *a, const float *b, int d) {
@@ -111,66 +106,6 @@ static inline void prefetch_step(prefetch_stream *s, int64_t lines) {
 static inline int group_run(int hi, int h1, int g) {
     const int end = (hi / g + 1) * g < h1 ? (hi / g + 1) * g : h1;
     return end - hi > GROUP_MAX ? GROUP_MAX : end - hi;
-}
-
-/* 16 floats: one vector register with AVX-512. Elsewhere a pair of 8-float vectors, written out: GCC lowers
- * a 64-byte vector type on AVX2 through the stack (scalar broadcasts and lane extracts as 16-byte moves),
- * and perf on an AVX2-only EPYC showed the decode loops spending their time there, 5x slower than the
- * Intel with AVX-512 against a 1.5x slower memory. fma16 is one rounding per lane through the FMA
- * instruction itself: -ffast-math may reorder plain adds and fuse plain multiplies differently in each
- * inlined copy of a loop, and a head's floats must not depend on which copy (how many heads) ran it. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 ld16(const float *p) { return *(const v16 *)p; }
-static inline void st16(float *p, v16 v) { *(v16 *)p = v; }
-static inline v16 zero16(void) { return (v16){0}; }
-static inline v16 bcast16(float s) { return (v16){0} + s; }
-static inline v16 smul16(float s, v16 a) { return s * a; }
-static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
-static inline float hsum16(v16 v) {
-    const v8 lo = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
-    const v8 hi = {v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
-    return hsum8_pairs(lo + hi);
-}
-#else
-#if defined(__FMA__)
-#include <immintrin.h>
-static inline v8 fma8(v8 a, v8 b, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
-#else
-static inline v8 fma8(v8 a, v8 b, v8 acc) { return acc + a * b; }
-#endif
-typedef struct { v8 lo, hi; } v16;
-static inline v16 ld16(const float *p) { return (v16){V8(p), V8(p + 8)}; }
-static inline void st16(float *p, v16 v) { *(v8 *)p = v.lo; *(v8 *)(p + 8) = v.hi; }
-static inline v16 zero16(void) { return (v16){{0}, {0}}; }
-static inline v16 bcast16(float s) { const v8 b = (v8){0} + s; return (v16){b, b}; }
-static inline v16 smul16(float s, v16 a) { return (v16){s * a.lo, s * a.hi}; }
-static inline v16 fma16(v16 a, v16 b, v16 acc) { return (v16){fma8(a.lo, b.lo, acc.lo), fma8(a.hi, b.hi, acc.hi)}; }
-static inline float hsum16(v16 v) { return hsum8_pairs(v.lo + v.hi); }
-#endif
-
-/* The 16 cache values at `at` of a cache of type kt (a constant at every call site), as floats: exact,
- * since every bfloat16 and float16 is a float. The loops below read a 16-bit cache this way, in place,
- * rather than widening each block into a buffer first: a decode row reads half the bytes of a float32
- * cache, and no buffer is written and read back. */
-static inline __attribute__((always_inline)) v16 ld16kv(const char *at, const int kt) {
-    if (kt == KV_F32) return ld16((const float *)at);
-    const uint16_t *p = (const uint16_t *)at;
-#if defined(__AVX512F__)
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    if (kt == KV_F16) return (v16)_mm512_cvtph_ps(h);
-    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-#elif defined(__AVX2__) && defined(__F16C__)
-    const __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 8));
-    if (kt == KV_F16) return (v16){(v8)_mm256_cvtph_ps(a), (v8)_mm256_cvtph_ps(b)};
-    return (v16){(v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16),
-                 (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)};
-#else
-    float t[16];
-    for (int k = 0; k < 16; k++) t[k] = kt == KV_F16 ? f16_to_f32(p[k]) : bf16_to_f32(p[k]);
-    return ld16(t);
-#endif
 }
 
 /* For nh query heads that read the same KV head: acc[k * acc_stride : + 64] += sum over the block's n tokens
@@ -275,15 +210,6 @@ static inline __attribute__((always_inline)) void scores_heads64(float *s, int64
         for (int k = 0; k < nh; k++) s[k * s_stride + o] = hsum16(p[k]) * scale;
     }
 }
-
-/* e^x for a score minus its row's maximum (x <= 0): below -87, where e^x is under 2^-125, it is taken
- * at -87 (a masked score weighs 1.6e-38 of its row's largest). Branch-free arithmetic of our own
- * (kernels/tandem_kernels.h), so GCC vectorises the loops that call it at any width and every lane computes
- * the same float whatever the width. libm's expf is not that: under -ffast-math GCC calls libmvec's
- * variant of the loop's width (SSE, AVX2 or AVX-512, where the tuning prefers 512-bit vectors: AMD's
- * Zen 4, a Xeon GCC does not know by name) for the body and scalar expf for the tail, and those differ
- * in the last bit, so the builds of each ISA level disagreed. */
-static inline float score_exp(float x) { return exp_small(__builtin_fmaxf(x, -87.0f)); }
 
 /* s[0, n) = softmax(s[0, n)), in place. The max and the sum run over 16 lanes (p % 16) and then across
  * them in a fixed order: as one serial chain over the keys, each head's max and sum waited a compare or an
@@ -482,274 +408,4 @@ int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_
         memcpy(vc + slots[i] * row, v + i * v_stride, sizeof(float) * row);
     }
     return -1;
-}
-
-/* Causal attention of prefill chunks (query rows of a sequence's later tokens over all its keys) over a
- * float32 cache, or a 16-bit one whose chunk of keys and values an item widens into its scratch first. A
- * work item is one sequence's KV head and PF_TILE of its query tokens: the group's query
- * heads (g of them) for those tokens are PF_TILE * g rows (48 for SmolLM2), computed together GEMM-style
- * against chunks of up to PF_CHUNK keys. The item's queries are transposed once into a [D][rows] panel, so
- * a key's scores for 16 rows are D fused multiply-adds of a panel vector by one element of the key, read
- * where the cache holds it; PF_SC_ROWS x PF_SC_KEYS scores stay in registers over D. Scores are kept
- * [key][row], so the softmax runs down the rows in vectors: per chunk, one maximum, one pass of e^x
- * (score_exp, a polynomial the compiler vectorises) and one sum, and the accumulators are rescaled once per
- * chunk, not per 16 keys (a prompt of up to PF_CHUNK tokens is one chunk). P x V then adds the chunk's V
- * rows into PF_PV_ROWS rows' accumulators, PF_PV_COLS vectors of D each, kept in registers over the whole
- * chunk. Keys past a row's own position are masked, so only the chunk on the diagonal computes any
- * masked scores. Needs D a multiple of 16. */
-#define PF_TILE 16
-#define PF_CHUNK 128  /* keys per softmax step: a multiple of PF_SC_KEYS */
-#define PF_NEG (-1e30f)  /* a masked score: finite, as -ffast-math assumes */
-/* Register blocks: with AVX-512's 32 registers, 3 x 16 rows by 8 keys of scores and 12 rows by 2 x 16 floats
- * of D in P x V (24 accumulators each); AVX2's 16 registers (a v16 is two there) take 16 rows by 4 keys and
- * 6 rows by 16 floats. How the work is cut does not change any float: every score and accumulator lane adds
- * its terms in the same order, so both builds compute the same outputs. */
-#if defined(__AVX512F__)
-#define PF_SC_ROWS 3
-#define PF_SC_KEYS 8
-#define PF_PV_ROWS 12
-#define PF_PV_COLS 2
-#else
-#define PF_SC_ROWS 1
-#define PF_SC_KEYS 4
-#define PF_PV_ROWS 6
-#define PF_PV_COLS 1
-#endif
-_Static_assert(PF_CHUNK % PF_SC_KEYS == 0, "a chunk's keys pad to whole score blocks within it");
-
-typedef struct {
-    const float *q; int64_t q_tok_stride;
-    const void *kc, *vc; int kv_type;  /* a float32, bfloat16 or float16 cache (KV_F32, ...) */
-    const int32_t *table; int64_t table_stride;
-    const int64_t *seq_ids, *q_starts, *q_lens, *seq_lens;  /* per prefill: block-table row, first query
-                                                               row, query tokens, tokens in all */
-    float *out;
-    int nq, nkv, d, bs; float scale;
-} prefill_job;
-
-/* Work items (tiles of PF_TILE query tokens) of a prefill of ql query tokens, per KV head. */
-static inline int64_t prefill_tiles(int64_t ql) { return (ql + PF_TILE - 1) / PF_TILE; }
-
-/* Rows of an item with g query heads per KV head, padded to whole vectors. */
-static inline int prefill_rpad(int rows) { return (rows + 15) & ~15; }
-
-/* Scores of RV x 16 rows (from the [D][rpad] panel qt) by PF_SC_KEYS keys (kp), into sc [key][rpad]. */
-static inline __attribute__((always_inline)) void prefill_scores(float *sc, int64_t rpad, const float *qt,
-                                                            const float *const *kp, int d, const int rv) {
-    const float *k[PF_SC_KEYS];
-    for (int x = 0; x < PF_SC_KEYS; x++) k[x] = kp[x];
-    v16 a[PF_SC_ROWS][PF_SC_KEYS];
-    for (int i = 0; i < rv; i++)
-        for (int x = 0; x < PF_SC_KEYS; x++) a[i][x] = zero16();
-    for (int c = 0; c < d; c++) {
-        v16 qv[PF_SC_ROWS];
-        for (int i = 0; i < rv; i++) qv[i] = ld16(qt + (int64_t)c * rpad + 16 * i);
-        for (int x = 0; x < PF_SC_KEYS; x++) {
-            const v16 kv = bcast16(k[x][c]);
-            for (int i = 0; i < rv; i++) a[i][x] = fma16(qv[i], kv, a[i][x]);
-        }
-    }
-    for (int x = 0; x < PF_SC_KEYS; x++)
-        for (int i = 0; i < rv; i++) st16(sc + (int64_t)x * rpad + 16 * i, a[i][x]);
-}
-
-/* acc[rows][cols x 16 floats from column c] = alpha * acc + sum over nk keys of p[key][row] * V. */
-static inline __attribute__((always_inline)) void prefill_pv(float *acc, int d, const float *alpha, const float *p,
-                                                        int64_t rpad, const float *const *vp, int nk, int c,
-                                                        const int rows, const int cols) {
-    v16 o[PF_PV_ROWS][PF_PV_COLS];
-    for (int i = 0; i < rows; i++)
-        for (int y = 0; y < cols; y++) o[i][y] = smul16(alpha[i], ld16(acc + (int64_t)i * d + c + 16 * y));
-    for (int x = 0; x < nk; x++) {
-        v16 v[PF_PV_COLS];
-        for (int y = 0; y < cols; y++) v[y] = ld16(vp[x] + c + 16 * y);
-        const float *px = p + (int64_t)x * rpad;
-        for (int i = 0; i < rows; i++) {
-            const v16 w = bcast16(px[i]);
-            for (int y = 0; y < cols; y++) o[i][y] = fma16(w, v[y], o[i][y]);
-        }
-    }
-    for (int i = 0; i < rows; i++)
-        for (int y = 0; y < cols; y++) st16(acc + (int64_t)i * d + c + 16 * y, o[i][y]);
-}
-
-/* P x V for `rows` rows (at most PF_PV_ROWS) over all of D. */
-static inline __attribute__((always_inline)) void prefill_pv_rows(float *acc, int d, const float *alpha,
-                                                             const float *p, int64_t rpad, const float *const *vp,
-                                                             int nk, const int rows) {
-    int c = 0;
-    for (; c + 16 * PF_PV_COLS <= d; c += 16 * PF_PV_COLS) prefill_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, PF_PV_COLS);
-    for (; c < d; c += 16) prefill_pv(acc, d, alpha, p, rpad, vp, nk, c, rows, 1);
-}
-
-/* Key or value row `src` (d values of cache type kt, d a multiple of 16) as floats in dst: exact. */
-static void widen_row(float *dst, const char *src, int d, int kt) {
-    if (kt == KV_BF16)
-        for (int c = 0; c < d; c += 16) st16(dst + c, ld16kv(src + 2 * c, KV_BF16));
-    else
-        for (int c = 0; c < d; c += 16) st16(dst + c, ld16kv(src + 2 * c, KV_F16));
-}
-
-/* GCC's cost model vectorises the softmax loops 8 floats wide even with AVX-512 unless told otherwise; 16 wide
- * took two 256-token prompts' 30 layers from 26.6 to 24.4 ms, with the same floats (score_exp is per lane). */
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target("prefer-vector-width=512")))
-#endif
-static void prefill_item(const prefill_job *j, int64_t s, int h, int64_t t, float *buf) {
-    const int d = j->d, g = j->nq / j->nkv;
-    const int64_t ql = j->q_lens[s], r0 = t * PF_TILE;
-    const int ntok = (int)(ql - r0 < PF_TILE ? ql - r0 : PF_TILE);
-    const int64_t p0 = j->seq_lens[s] - ql + r0;  /* position of the tile's first query token */
-    const int rows = ntok * g, rpad = prefill_rpad(rows), nrv = rpad / 16;
-    const int32_t *bt = j->table + j->seq_ids[s] * j->table_stride;
-    float *qt = buf, *acc = qt + (int64_t)d * rpad, *sc = acc + (int64_t)rpad * d;
-    float *mx = sc + (int64_t)PF_CHUNK * rpad, *sum = mx + rpad, *alpha = sum + rpad, *tmp = alpha + rpad;
-    float *zero = tmp + rpad, *wide = zero + d;  /* wide: a 16-bit cache's chunk of K, then of V, as floats */
-    const float *kp[PF_CHUNK], *vp[PF_CHUNK];
-    const int64_t elem = j->kv_type == KV_F32 ? 4 : 2;
-    /* row r = token r / g at position p0 + r / g, head h * g + r % g; qt[c][r] its scaled query */
-    for (int r = 0; r < rpad; r++) {
-        if (r < rows) {
-            const float *src = j->q + (j->q_starts[s] + r0 + r / g) * j->q_tok_stride + (int64_t)(h * g + r % g) * d;
-            for (int c = 0; c < d; c++) qt[(int64_t)c * rpad + r] = src[c] * j->scale;
-        } else {
-            for (int c = 0; c < d; c++) qt[(int64_t)c * rpad + r] = 0.0f;
-        }
-        mx[r] = PF_NEG; sum[r] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * rpad * d);
-    memset(zero, 0, sizeof(float) * d);
-    const int64_t nkeys = p0 + ntok, tok = (int64_t)j->nkv * d;
-    int64_t blk = 0, in_blk = 0;  /* where key kb + x lies: block-table entry and slot, stepped, not divided */
-    for (int64_t kb = 0; kb < nkeys; kb += PF_CHUNK) {
-        const int nk = (int)(nkeys - kb < PF_CHUNK ? nkeys - kb : PF_CHUNK);
-        const int nkr = (nk + PF_SC_KEYS - 1) / PF_SC_KEYS * PF_SC_KEYS;
-        for (int x = 0; x < nkr; x++) {
-            if (x < nk) {
-                const int64_t off = ((int64_t)bt[blk] * j->bs + in_blk) * tok + (int64_t)h * d;
-                if (j->kv_type == KV_F32) {
-                    kp[x] = (const float *)j->kc + off; vp[x] = (const float *)j->vc + off;
-                } else {  /* widened once per item and chunk: ~1% of the item's arithmetic */
-                    float *kw = wide + (int64_t)x * d, *vw = wide + (int64_t)(PF_CHUNK + x) * d;
-                    widen_row(kw, (const char *)j->kc + off * elem, d, j->kv_type);
-                    widen_row(vw, (const char *)j->vc + off * elem, d, j->kv_type);
-                    kp[x] = kw; vp[x] = vw;
-                }
-                if (++in_blk == j->bs) { in_blk = 0; blk++; }
-            } else {
-                kp[x] = vp[x] = zero;
-            }
-        }
-        /* scores [key][row] */
-        for (int x = 0; x < nkr; x += PF_SC_KEYS) {
-            int i = 0;
-            for (; i + PF_SC_ROWS <= nrv; i += PF_SC_ROWS)
-                prefill_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, PF_SC_ROWS);
-            for (; i < nrv; i++) prefill_scores(sc + (int64_t)x * rpad + 16 * i, rpad, qt + 16 * i, kp + x, d, 1);
-        }
-        /* Key kb + x is visible to rows r with p0 + r / g >= kb + x, i.e. r >= (kb + x - p0) * g; padding
-         * keys to none (padding rows, all zero, are never written out). */
-        for (int x = kb + 1 > p0 ? 0 : (int)(p0 + 1 - kb); x < nkr; x++) {
-            const float lo = x < nk ? (float)((kb + x - p0) * g) : (float)rpad;
-            float *srow = sc + (int64_t)x * rpad;
-            for (int r = 0; r < rpad; r++) srow[r] = (float)r >= lo ? srow[r] : PF_NEG;
-        }
-        /* the softmax's running maximum and sum of each row, over this chunk, down the rows */
-        for (int r = 0; r < rpad; r++) tmp[r] = mx[r];
-        for (int x = 0; x < nkr; x++) {
-            const float *srow = sc + (int64_t)x * rpad;
-            for (int r = 0; r < rpad; r++) tmp[r] = srow[r] > tmp[r] ? srow[r] : tmp[r];
-        }
-        for (int r = 0; r < rpad; r++) {
-            alpha[r] = score_exp(mx[r] - tmp[r]);
-            mx[r] = tmp[r];
-            tmp[r] = 0.0f;
-        }
-        for (int x = 0; x < nkr; x++) {
-            float *srow = sc + (int64_t)x * rpad;
-            for (int r = 0; r < rpad; r++) { srow[r] = score_exp(srow[r] - mx[r]); tmp[r] += srow[r]; }
-        }
-        for (int r = 0; r < rpad; r++) sum[r] = sum[r] * alpha[r] + tmp[r];
-        /* acc = acc * alpha + P V */
-        int r = 0;
-        for (; r + PF_PV_ROWS <= rpad; r += PF_PV_ROWS)
-            prefill_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, PF_PV_ROWS);
-        for (; r + 4 <= rpad; r += 4) prefill_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 4);
-        for (; r < rpad; r += 2) prefill_pv_rows(acc + (int64_t)r * d, d, alpha + r, sc + r, rpad, vp, nkr, 2);
-    }
-    for (int r = 0; r < rows; r++) {
-        float *dst = j->out + ((j->q_starts[s] + r0 + r / g) * j->nq + h * g + r % g) * d;
-        const float inv = 1.0f / sum[r];
-        for (int c = 0; c < d; c++) dst[c] = acc[(int64_t)r * d + c] * inv;
-    }
-}
-
-/* Items lie in order of sequence, KV head and tile; later tiles attend to more keys, so the n-th item handed
- * out is the (items - 1 - n)-th: the longest go first. */
-static void prefill_nth_item(const prefill_job *j, int64_t items, int64_t n, float *buf) {
-    int64_t s = 0, rest = items - 1 - n;
-    while (rest >= j->nkv * prefill_tiles(j->q_lens[s])) rest -= j->nkv * prefill_tiles(j->q_lens[s++]);
-    prefill_item(j, s, (int)(rest / prefill_tiles(j->q_lens[s])), rest % prefill_tiles(j->q_lens[s]), buf);
-}
-
-/* The work items of n_seqs prefills of q_lens query tokens each, with nkv KV heads (for
- * tandem_prefill_attention_item). */
-int64_t tandem_prefill_items(const int64_t *q_lens, int64_t n_seqs, int nkv) {
-    int64_t items = 0;
-    for (int64_t s = 0; s < n_seqs; s++) items += nkv * prefill_tiles(q_lens[s]);
-    return items;
-}
-
-/* Floats of scratch one thread needs for tandem_prefill_attention with g query heads per KV head. */
-int64_t tandem_prefill_scratch(int g, int d) {
-    const int64_t rpad = prefill_rpad(PF_TILE * g);
-    return rpad * (2 * d + PF_CHUNK + 4) + d + 2 * PF_CHUNK * (int64_t)d;
-}
-
-/* out [T, nq, D] rows of n_seqs prefills (see prefill_job); scratch: n_threads * tandem_prefill_scratch floats.
- * Returns -1 for a head layout it does not take (D not a multiple of 16, nq not a multiple of nkv). */
-int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
-                                const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
-                                const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
-                                int64_t n_seqs, float *out, float *scratch, int nq, int nkv, int d, int bs,
-                                float scale, int n_threads) {
-    if (d % 16 != 0 || nkv <= 0 || nq % nkv != 0) return -1;
-    if (kv_type != KV_F32 && kv_type != KV_BF16 && kv_type != KV_F16) return -1;
-    const prefill_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
-                      out, nq, nkv, d, bs, scale};
-    const int64_t items = tandem_prefill_items(q_lens, n_seqs, nkv);
-    const int64_t per_thread = tandem_prefill_scratch(nq / nkv, d);
-    if (n_threads > items) n_threads = (int)items;
-    if (n_threads < 1) n_threads = 1;
-    #pragma omp parallel num_threads(n_threads)
-    {
-        float *buf = scratch + (int64_t)omp_get_thread_num() * per_thread;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t n = 0; n < items; n++) prefill_nth_item(&j, items, n, buf);
-    }
-    return 0;
-}
-
-/* The n-th of tandem_prefill_attention_kv's `items` work items on the calling thread, with buf
- * (tandem_prefill_scratch floats): for a caller that shares the items out over threads of its own, as the
- * fused step does (kernels/decode_step.c). The same floats as tandem_prefill_attention_kv's. The layout
- * checks are the caller's (tandem_prefill_attention_kv's). */
-void tandem_prefill_attention_item(const float *q, int64_t q_tok_stride, const void *kc, const void *vc,
-                                   int kv_type, const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
-                                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
-                                   float *out, int nq, int nkv, int d, int bs, float scale, int64_t items,
-                                   int64_t n, float *buf) {
-    const prefill_job j = {q, q_tok_stride, kc, vc, kv_type, table, table_stride, seq_ids, q_starts, q_lens, seq_lens,
-                      out, nq, nkv, d, bs, scale};
-    prefill_nth_item(&j, items, n, buf);
-}
-
-/* The same over a float32 cache (the entry bench/prefill_attention.py times against earlier revisions). */
-int tandem_prefill_attention(const float *q, int64_t q_tok_stride, const float *kc, const float *vc,
-                             const int32_t *table, int64_t table_stride, const int64_t *seq_ids,
-                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
-                             int64_t n_seqs, float *out, float *scratch, int nq, int nkv, int d, int bs,
-                             float scale, int n_threads) {
-    return tandem_prefill_attention_kv(q, q_tok_stride, kc, vc, KV_F32, table, table_stride, seq_ids, q_starts,
-                                       q_lens, seq_lens, n_seqs, out, scratch, nq, nkv, d, bs, scale, n_threads);
 }

@@ -1,7 +1,7 @@
-"""The CPU paged-attention kernel (paged_attention.c): decode rows, a decode row's head range for the
-whole-step kernel, the store of a step's keys and values, and the tiled causal attention of prefill chunks,
-built with kernels/build.py and called through ctypes by attention/cpu_backend.py (docs/architecture.md,
-"CPU kernels")."""
+"""The CPU paged-attention kernel of decode (paged_attention.c): decode rows, a decode row's head range for the
+whole-step kernel, and the store of a step's keys and values, built with kernels/build.py and called through
+ctypes by attention/cpu_backend.py. Prefill chunks are another library, prefill_attention.py's, built with the
+same flags, KERNEL_MATH_FLAGS (docs/architecture.md, "CPU kernels")."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ SOURCE = (Path(__file__).parent / "paged_attention.c").read_text()
 KERNEL_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-# -fno-associative-math: the kernel's sums run in the order written (see paged_attention.c, fma16). The
-# rest of -ffast-math would let GCC call libm's vector functions, whose floats depend on the vector width:
-# the kernel calls none (test_kernel_build.py checks the object code of each ISA level).
+# -fno-associative-math: the attention kernels' sums run in the order written (see attention_simd.h, fma16).
+# The rest of -ffast-math would let GCC call libm's vector functions, whose floats depend on the vector width:
+# the kernels call none (test_kernel_build.py checks the object code of each ISA level).
 KERNEL_MATH_FLAGS = ("-ffast-math", "-fno-associative-math")
 
 
@@ -35,9 +35,7 @@ def load_kernel(cache_dir: Path) -> ctypes.CDLL | None:
     """Build (once per source version, cached under `cache_dir`/kernels, or config.build_dir's when
     `cache_dir` is read-only; kernels/build.py) and load the C kernel; None if impossible. Its entries:
     `tandem_paged_attention` (decode rows over threads), `tandem_paged_attention_heads` (a head range of
-    one row), `tandem_write_kv` (a step's keys and values into a float32 cache) and
-    `tandem_prefill_attention_kv` (float32 prefill chunks over any of those caches, tiled; one work item of it
-    at a time: `tandem_prefill_attention_item`)."""
+    one row) and `tandem_write_kv` (a step's keys and values into a float32 cache)."""
     return build_kernel(SOURCE, cache_dir)
 
 
@@ -53,22 +51,9 @@ def build_kernel(source: str, cache_dir: Path, name: str = "paged_attention") ->
     lib.tandem_paged_attention.restype = i32
     lib.tandem_paged_attention_heads.argtypes = [p, p, p, i32, p, i64, p, p, i32, i32, i32, i32, f32, i32, i32]
     lib.tandem_paged_attention_heads.restype = None
-    if hasattr(lib, "tandem_write_kv"):  # older sources (bench/attention_kernel.py's baseline) lack these
+    if hasattr(lib, "tandem_write_kv"):  # older sources (bench/attention_kernel.py's baseline) lack it
         lib.tandem_write_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64]
         lib.tandem_write_kv.restype = i64
-    if hasattr(lib, "tandem_prefill_attention"):
-        lib.tandem_prefill_attention.argtypes = [p, i64, p, p, p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32,
-                                                 f32, i32]
-        lib.tandem_prefill_attention.restype = i32
-    if hasattr(lib, "tandem_prefill_attention_kv"):
-        lib.tandem_prefill_attention_kv.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, i64, p, p, i32, i32, i32,
-                                                    i32, f32, i32]
-        lib.tandem_prefill_attention_kv.restype = i32
-        lib.tandem_prefill_scratch.argtypes = [i32, i32]
-        lib.tandem_prefill_scratch.restype = i64
-    if hasattr(lib, "tandem_prefill_items"):
-        lib.tandem_prefill_items.argtypes = [p, i64, i32]
-        lib.tandem_prefill_items.restype = i64
     return lib
 
 

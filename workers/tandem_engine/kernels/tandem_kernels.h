@@ -2,7 +2,8 @@
  * conversions (one algorithm each), the horizontal sums, e^x, and the prototype of every entry point, so
  * that each kernel's definitions and the whole-step kernel's table of them are checked by the compiler
  * against one declaration (docs/architecture.md, "CPU kernels"). kernels/build.py resolves a quoted
- * #include against this folder and keys each build on the header's text too. */
+ * #include against this folder and keys each build on the header's text too. (The two attention kernels
+ * also share attention_simd.h, their vector code.) */
 #ifndef TANDEM_KERNELS_H
 #define TANDEM_KERNELS_H
 #include <math.h>
@@ -108,7 +109,7 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
 /* --- horizontal sums ------------------------------------------------------------------------------------
  * Eight lanes in one fixed order, (l0+l4 + l2+l6) + (l1+l5 + l3+l7): what a 256-bit register's halves added,
  * then its 64-bit halves, then its pairs give, so that a vector path and a scalar one sum alike. (The
- * attention kernel sums its own vectors in its own fixed tree: paged_attention.c, hsum16.) */
+ * attention kernels sum their own vectors in their own fixed tree: attention_simd.h, hsum16.) */
 static inline float hsum8(const float a[8]) {
     const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
     return (s0 + s2) + (s1 + s3);
@@ -178,7 +179,7 @@ void tandem_rope(const float *x, int64_t x_stride, const float *cos, const float
                  float *out, int64_t rows, int64_t nh, int64_t d, int n_threads);
 void tandem_argmax(const float *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t n, int n_threads);
 
-/* paged_attention.c: decode rows, a row's head range, the KV store and prefill chunks */
+/* paged_attention.c: decode rows, a row's head range and the KV store */
 int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,
                            const int32_t *table, int64_t table_stride, const int64_t *rows, const int64_t *seqs,
                            const int64_t *klens, float *out, float *scratch, int64_t scratch_per_thread,
@@ -186,6 +187,8 @@ int tandem_paged_attention(const float *q, int64_t q_tok_stride, const void *kc,
 tandem_attention_heads_fn tandem_paged_attention_heads;
 int64_t tandem_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *kc, float *vc,
                         const int64_t *slots, int64_t t, int64_t row, int64_t n_slots);
+
+/* prefill_attention.c: the tiled causal attention of prefill chunks, over threads or one work item at a time */
 int64_t tandem_prefill_items(const int64_t *q_lens, int64_t n_seqs, int nkv);
 int64_t tandem_prefill_scratch(int g, int d);
 int tandem_prefill_attention_kv(const float *q, int64_t q_tok_stride, const void *kc, const void *vc, int kv_type,

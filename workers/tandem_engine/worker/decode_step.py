@@ -158,7 +158,7 @@ class DecodeStep:
     """A step of `model` in one call: x [T, hidden] (the embedded tokens: decode rows and prefill chunks)
     through every layer and the final norm, the projections on `matmuls`, or on `large`'s matmuls for steps of
     at least its rows. `row_entries`: the fused row kernels' entry points (FusedOps.row_entries); `attention`:
-    the backend whose C kernel attends (its step_entries and prefill_work)."""
+    the backend whose C kernels attend (its step_entries and prefill_work)."""
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, matmuls: StepMatmuls, row_entries: dict[str, int],
                  attention: CpuAttentionBackend, large: tuple[int, StepMatmuls] | None = None) -> None:
