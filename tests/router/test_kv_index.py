@@ -37,6 +37,30 @@ def test_index_matches_leading_blocks_per_engine_across_ranks() -> None:
     assert idx.size("http://a") == 0 and idx.match([1, 9]) == {"http://b": 2} and idx.size() == 2
 
 
+def test_each_engines_block_count_follows_any_run_of_events() -> None:
+    """size(url) is read for every candidate of every routing decision, so it is kept as the events come
+    rather than summed over the publishers (which at 1,000 engines made each decision O(engines^2)): through
+    a random run of stores, removals (of held and unheld blocks), clears and dropped engines it equals the
+    count of what each engine's ranks hold."""
+    import random
+
+    rng = random.Random(3)
+    idx, pubs = KVIndex(), [Publisher(f"http://e{i}", r) for i in range(4) for r in range(2)]
+    for _ in range(2000):
+        pub, roll = rng.choice(pubs), rng.random()
+        if roll < 0.5:
+            idx.apply(pub, [BlockStored([rng.randrange(60) for _ in range(rng.randint(1, 6))], None, [], 16)])
+        elif roll < 0.9:
+            idx.apply(pub, [BlockRemoved([rng.randrange(60) for _ in range(rng.randint(1, 6))])])
+        elif roll < 0.97:
+            idx.apply(pub, [AllBlocksCleared()])
+        else:
+            idx.drop_engine(pub.url)
+        for url in {p.url for p in pubs}:
+            assert idx.size(url) == sum(len(idx.held(p)) for p in pubs if p.url == url)
+        assert idx.size() == sum(len(idx.held(p)) for p in pubs)
+
+
 def test_publisher_host_uses_the_engine_url_for_wildcards() -> None:
     assert publisher_host("http://10.1.2.3:8000", "0.0.0.0") == "10.1.2.3"
     assert publisher_host("http://[fd00::7]:8000", "::") == "[fd00::7]"
@@ -248,6 +272,8 @@ async def test_the_feed_passes_on_each_engines_load_summed_over_its_ranks() -> N
             assert feed.load(url) is None  # rank 1 has said nothing yet
             pubs[1].publish(batch("r1", 1, 0, 0.25))
             await until((4, 0.375))
+            # Its sockets (a SUB per publisher, a DEALER per replay) are not capped at pyzmq's 1,023.
+            assert feed._ctx is not None and feed._ctx.get(zmq.MAX_SOCKETS) >= 16 * 1024
             pubs[0].publish(batch("r0", 0, 0, 0.0))
             await until((1, 0.125))
             pubs[1].publish(engine_events.KVEventBatch(time.time(), "r1-restarted", [engine_events.AllBlocksCleared()]))

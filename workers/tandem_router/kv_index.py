@@ -46,6 +46,9 @@ class KVIndex:
     def __init__(self) -> None:
         self._holders: dict[int, set[Publisher]] = {}
         self._held: dict[Publisher, set[int]] = {}
+        # Blocks held per engine URL (over its ranks): read for every candidate of every routing decision,
+        # which at 1,000 engines cannot each sum over every publisher.
+        self._sizes: dict[str, int] = {}
         self.block_size: int | None = None  # from the events; every engine behind one router agrees
 
     def apply(self, pub: Publisher, events: Iterable[KVEvent]) -> None:
@@ -53,23 +56,30 @@ class KVIndex:
         for ev in events:
             if isinstance(ev, BlockStored):
                 self.block_size = ev.block_size or self.block_size
+                before = len(held)
                 for h in ev.block_hashes:
                     if h not in held:
                         held.add(h)
                         self._holders.setdefault(h, set()).add(pub)
+                self._sizes[pub.url] = self._sizes.get(pub.url, 0) + len(held) - before
             elif isinstance(ev, BlockRemoved):
+                before = len(held)
                 for h in ev.block_hashes:
                     if h in held:
                         held.discard(h)
                         self._forget(h, pub)
+                self._sizes[pub.url] = self._sizes.get(pub.url, 0) - (before - len(held))
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(pub)
                 held = self._held.setdefault(pub, set())
 
     def clear(self, pub: Publisher) -> None:
         """Forget everything `pub` held (its engine restarted, went away, or a resync starts over)."""
-        for h in self._held.pop(pub, set()):
+        held = self._held.pop(pub, set())
+        for h in held:
             self._forget(h, pub)
+        if held:
+            self._sizes[pub.url] -= len(held)
 
     def drop_engine(self, url: str) -> None:
         for pub in [p for p in self._held if p.url == url]:
@@ -87,7 +97,7 @@ class KVIndex:
 
     def size(self, url: str | None = None) -> int:
         """Blocks indexed for one engine (all its ranks), or for every engine."""
-        return sum(len(s) for p, s in self._held.items() if url is None or p.url == url)
+        return sum(self._sizes.values()) if url is None else self._sizes.get(url, 0)
 
     def _forget(self, h: int, pub: Publisher) -> None:
         holders = self._holders.get(h)
@@ -130,6 +140,8 @@ class KVIndexFeed:
             return
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+            # A SUB per publisher and a DEALER per replay: pyzmq's default of 1,023 sockets is 500-1,000 engines.
+            self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         def resynced(reason: str) -> None:
             if self.on_resync is not None:
                 self.on_resync(url, reason)

@@ -7,10 +7,12 @@ import asyncio
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from tandem_router.bench.client import Record, Target, first_model, run, scrape_prefix_cache
 from tandem_router.bench.stats import format_summary, summarize
+from tandem_router.bench.trace import read_trace, trace_sessions
 from tandem_router.bench.workload import Session, random_sessions, shared_prefix_sessions
 
 
@@ -22,10 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint",
         choices=("completions", "chat"),
         default=None,
-        help="default: completions for random, chat for shared-prefix",
+        help="default: chat for shared-prefix, else completions",
     )
-    p.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
-    p.add_argument("--concurrency", type=int, default=None, help="sessions in flight (default 1 without a rate)")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "trace"), default="random")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="sessions in flight (default 1 without a rate; with a rate or a trace: unbounded)")
     p.add_argument("--request-rate", type=float, default=None, help="sessions started per second (Poisson)")
     p.add_argument("--num-prompts", type=int, default=50, help="random: number of requests")
     p.add_argument("--input-len", type=int, default=128, help="random: prompt length (~tokens)")
@@ -36,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=3, help="shared-prefix: turns per conversation")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt length (~tokens)")
     p.add_argument("--turn-len", type=int, default=32, help="shared-prefix: user message length (~tokens)")
+    p.add_argument("--trace", default=None,
+                   help="trace: a Mooncake JSONL trace (bench/data/mooncake/conversation_trace.jsonl)")
+    p.add_argument("--length-scale", type=float, default=1.0, help="trace: prompt, block and output lengths times this")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: arrivals this many times faster")
+    p.add_argument("--max-requests", type=int, default=None, help="trace: replay at most this many requests")
+    p.add_argument("--max-model-len", type=int, default=None, help="trace: drop requests that would not fit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument(
@@ -49,21 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_sessions(a: argparse.Namespace) -> list[Session]:
+def make_sessions(a: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
+    """The workload's sessions, and what the summary should say of it (a trace's dropped requests and ideal
+    prefix-cache share)."""
     if a.workload == "random":
-        return random_sessions(a.num_prompts, a.input_len, a.seed, a.range_ratio)
-    return shared_prefix_sessions(a.num_groups, a.users_per_group, a.turns, a.prefix_len, a.turn_len, a.seed)
+        return random_sessions(a.num_prompts, a.input_len, a.seed, a.range_ratio), {}
+    if a.workload == "trace":
+        if a.trace is None:
+            raise SystemExit("tandem bench: --workload trace needs --trace FILE")
+        w = trace_sessions(read_trace(Path(a.trace)), a.seed, a.length_scale, a.time_scale,
+                           max_model_len=a.max_model_len, max_requests=a.max_requests)
+        return w.sessions, {"trace_dropped": w.dropped, "trace_ideal_cached_share": w.ideal_cached_share}
+    return shared_prefix_sessions(a.num_groups, a.users_per_group, a.turns, a.prefix_len, a.turn_len, a.seed), {}
 
 
 async def bench(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
     url = a.url.rstrip("/")
     model = a.model or await first_model(url, a.api_key)
-    endpoint = a.endpoint or ("completions" if a.workload == "random" else "chat")
+    endpoint = a.endpoint or ("chat" if a.workload == "shared-prefix" else "completions")
+    if a.workload == "trace" and endpoint != "completions":
+        raise SystemExit("tandem bench: a trace's prompts are token ids: --endpoint completions")
+    sessions, about = make_sessions(a)
     target = Target(url=url, model=model, endpoint=endpoint, output_len=a.output_len, api_key=a.api_key)
     engines = [u.strip().rstrip("/") for u in a.engine_metrics.split(",") if u.strip()]
     before = await scrape_prefix_cache(engines) if engines else None
-    records, duration = await run(target, make_sessions(a), a.concurrency, a.request_rate, a.seed)
-    summary = summarize(records, duration)
+    records, duration = await run(target, sessions, a.concurrency, a.request_rate, a.seed)
+    summary = {**summarize(records, duration), **about}
     if before is not None:
         after = await scrape_prefix_cache(engines)
         queries = after["queries"] - before["queries"]
@@ -82,8 +102,8 @@ async def bench(a: argparse.Namespace) -> tuple[dict[str, Any], list[Record]]:
 
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
-    if a.concurrency is None and a.request_rate is None:
-        a.concurrency = 1
+    if a.concurrency is None and a.request_rate is None and a.workload != "trace":
+        a.concurrency = 1  # a trace's requests come at its times, as many in flight as that makes
     result, records = asyncio.run(bench(a))
     print(format_summary(result["summary"]), flush=True)
     if a.json_path:

@@ -57,13 +57,15 @@ async def one_request(
     http: aiohttp.ClientSession,
     target: Target,
     messages: list[dict[str, str]],
-    prompt: str,
+    prompt: str | list[int],
     rec: Record,
     t0: float,
+    output_len: int | None = None,
 ) -> None:
+    """One streamed request: `prompt` (text, or token ids) to completions, `messages` to chat."""
     body: dict[str, Any] = {
         "model": target.model,
-        "max_tokens": target.output_len,
+        "max_tokens": output_len or target.output_len,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -136,6 +138,12 @@ async def run_session(
 ) -> None:
     """The session's turns one after another, each carrying the history; `target` may be a callable that
     picks one per request (a load balancer in front of router replicas)."""
+    if sess.token_prompt is not None:  # a trace's request: one prompt of token ids
+        rec = Record(start=0.0, group=sess.group, turn=0)
+        records.append(rec)
+        await one_request(http, target if isinstance(target, Target) else target(), [], sess.token_prompt, rec, t0,
+                          sess.output_len)
+        return
     history: list[dict[str, str]] = []
     for turn, user in enumerate(sess.turns):
         messages = (
@@ -155,12 +163,26 @@ async def run_session(
 async def run(
     target: Target, sessions: list[Session], concurrency: int | None, request_rate: float | None, seed: int
 ) -> tuple[list[Record], float]:
-    """Sessions start at a Poisson `request_rate` (per second), or `concurrency` run at once."""
+    """Sessions start at their own arrival times (a trace), at a Poisson `request_rate` (per second), or
+    `concurrency` run at once; with arrival times or a rate, `concurrency` bounds how many are in flight (a
+    session due while that many run starts when one ends)."""
     records: list[Record] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         t0 = time.perf_counter()
-        if request_rate:
+        if sessions and all(s.arrival is not None for s in sessions):
+            bound = asyncio.Semaphore(concurrency or 1_000_000)
+
+            async def at_arrival(s: Session) -> None:
+                async with bound:
+                    await run_session(http, target, s, t0, records)
+
+            tasks = []
+            for s in sessions:
+                await asyncio.sleep(max(0.0, (s.arrival or 0.0) - (time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(at_arrival(s)))
+            await asyncio.gather(*tasks)
+        elif request_rate:
             rng = random.Random(seed)
             limit = asyncio.Semaphore(concurrency or 1_000_000)
 

@@ -1,7 +1,9 @@
-"""Benchmark workloads: random prompts, and shared-prefix multi-turn conversations.
+"""Benchmark workloads: random prompts, shared-prefix multi-turn conversations, and the replay of a Mooncake
+trace (trace.py).
 
 There is no tokenizer here: prompts are made of common English words, about one token each, so
-`--input-len` is approximate in tokens. Every prompt is deterministic for a given seed.
+`--input-len` is approximate in tokens (a trace's prompts are token ids, exact). Every prompt is
+deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ def words(rng: random.Random, n: int) -> str:
 
 @dataclass
 class Session:
-    """One conversation: an optional system prompt and the user turns, sent one after another."""
+    """One conversation: an optional system prompt and the user turns, sent one after another; or one
+    request of a trace: a prompt of token ids, its own output length and when it arrives."""
 
     group: int
     system: str | None
     turns: list[str]
+    token_prompt: list[int] | None = None  # sent as the completions prompt, instead of the turns' text
+    output_len: int | None = None  # instead of --output-len
+    arrival: float | None = None  # seconds after the start of the run
 
 
 def random_sessions(num_prompts: int, input_len: int, seed: int, range_ratio: float = 0.0) -> list[Session]:
