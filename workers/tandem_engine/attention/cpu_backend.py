@@ -1,22 +1,10 @@
-"""Paged attention for CPU: a small C kernel for decode rows, a tiled one or torch SDPA for prefill chunks.
-
-Decode rows (and two-token chunks) go to a C kernel (built once with the system C compiler, cached,
-called through ctypes) that reads K/V straight from the cache blocks: gathering them first would copy
-every key and value of every sequence on every layer, and on CPU that copy costs more than the
-attention. Each query row is one work item that streams its blocks (every block a contiguous
-[block_size, nkv, D] chunk) once for all heads, so K/V are never repeated per query head.
-Longer chunks with float32 queries go to a second C kernel, a tiled causal attention (its own library,
-kernels/prefill_attention.c; the two are on or off together); the others use one SDPA per sequence (its
-GEMMs beat the decode kernel's dot products there) over gathered blocks, with a causal mask offset by the
-cached context. Without a compiler decode rows fall back to a gathered, padded, masked batch SDPA. The
-kernel computes in float32: a bfloat16 or float16 model's rows widen for it and their outputs round back
-to the model's dtype.
-The cache may hold a narrower dtype than the model computes in (`--kv-cache-dtype`): keys and values are
-rounded to it when written and widened when read: to float32 by the kernel, to the query's dtype by
-`.to()` after the gather on the SDPA paths.
-The per-step plan depends only on the metadata: built once per step, reused by every layer. Padding
-slots are masked, not zeroed, so the cache must never hold NaN/inf (allocate it with torch.zeros).
-"""
+"""Paged attention on a CPU (docs/architecture.md, "CPU kernels"): decode rows and two-token chunks on the C
+decode kernel (kernels/paged_attention.c), which reads K/V straight from the cache blocks, once per row for
+all heads (gathering them first would cost more than the attention); longer float32 chunks on the tiled
+prefill kernel (kernels/prefill_attention.c; the two libraries are on or off together); the rest, and all
+of it without a C compiler, on torch SDPA over gathered blocks. The kernels compute in float32 whatever the
+cache holds (`--kv-cache-dtype`). A step's plan depends only on its metadata: built once, reused by every
+layer. Padding slots are masked, not zeroed, so the cache must never hold NaN/inf (torch.zeros)."""
 
 from __future__ import annotations
 

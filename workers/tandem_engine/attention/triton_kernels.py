@@ -1,23 +1,11 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
-"""Triton paged-attention kernels for the KV cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
-
-Three kernels:
-- `_store_kv_kernel` writes this step's K/V rows into their cache slots (slot -1 = padding, skipped).
-- `_unified_attention_kernel` serves prefill chunks with cached context and decode rows in one launch.
-  One program owns one (query tile, KV head): the tile stacks BLOCK_Q consecutive query rows of one
-  sequence times the GROUP query heads that share the KV head, so K/V are loaded once per GQA group.
-  KV is walked in TILE_N-key tiles gathered through the block table, with an online (base-2) softmax.
-  With NUM_SEGMENTS > 1 each program covers one slice of the KV tiles (split-KV, for small decode
-  batches that would otherwise leave most SMs idle) and writes unnormalised partials instead.
-- `_reduce_segments_kernel` merges split-KV partials.
-The cache may hold a narrower dtype than the query (`--kv-cache-dtype`): the store rounds to it and the
-attention kernel widens each K/V tile back to the query's dtype as it loads it.
-
-The design follows vLLM's unified attention; the code is tandem's own. This module imports triton at
-import time: only `triton_backend` imports it, lazily. Whether the kernels are compiled or interpreted
-(`TRITON_INTERPRET=1`, CPU tensors) is fixed when this module is first imported. Kernel parameters
-are untyped by triton convention (pointers, strides, constexprs), hence the mypy line above.
-"""
+"""Triton paged-attention kernels for the KV cache [num_blocks, block_size, num_kv_heads, head_dim]:
+`_store_kv_kernel` writes a step's K/V into their slots (rounded to the cache's dtype), `_unified_attention_kernel`
+serves prefill chunks and decode rows in one launch (a program per query tile and KV head, K/V loaded once per
+GQA group, online softmax, split-KV for small decode batches) and `_reduce_segments_kernel` merges the split-KV
+partials. The design follows vLLM's unified attention; the code is tandem's own (docs/architecture.md, "The
+engine"). Only triton_backend imports this module, lazily: compiled or interpreted (`TRITON_INTERPRET=1`)
+as fixed at its first import. Kernel parameters are untyped by triton convention, hence the mypy line above."""
 
 from __future__ import annotations
 
