@@ -146,8 +146,11 @@ class SimCore(SchedulingCore):
             if request.sampling_params.grammar is not None:
                 self.scheduler.reject(request, RequestStatus.FINISHED_ERROR,
                                       "a simulated engine does not constrain its output (structured outputs)")
-            else:
+                return
+            try:
                 self.scheduler.add_request(request)
+            except ValueError as e:  # a duplicate id: the frontend never sends one; the engine lives on
+                logger.warning("simulated engine %s: %s", self.engine_id, e)
         self._post(add)
 
     async def abort(self, request_ids: list[str]) -> None:
