@@ -170,30 +170,25 @@ async def run(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         t0 = time.perf_counter()
+        starts: list[float] | None = None
         if sessions and all(s.arrival is not None for s in sessions):
+            starts = [s.arrival or 0.0 for s in sessions]
+        elif request_rate:
+            rng, at, starts = random.Random(seed), 0.0, []
+            for _ in sessions:
+                starts.append(at)
+                at += rng.expovariate(request_rate)
+        if starts is not None:
             bound = asyncio.Semaphore(concurrency or 1_000_000)
 
-            async def at_arrival(s: Session) -> None:
+            async def bounded(s: Session) -> None:
                 async with bound:
                     await run_session(http, target, s, t0, records)
 
             tasks = []
-            for s in sessions:
-                await asyncio.sleep(max(0.0, (s.arrival or 0.0) - (time.perf_counter() - t0)))
-                tasks.append(asyncio.create_task(at_arrival(s)))
-            await asyncio.gather(*tasks)
-        elif request_rate:
-            rng = random.Random(seed)
-            limit = asyncio.Semaphore(concurrency or 1_000_000)
-
-            async def gated(s: Session) -> None:
-                async with limit:
-                    await run_session(http, target, s, t0, records)
-
-            tasks = []
-            for s in sessions:
-                tasks.append(asyncio.create_task(gated(s)))
-                await asyncio.sleep(rng.expovariate(request_rate))
+            for s, at in zip(sessions, starts, strict=True):
+                await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(bounded(s)))
             await asyncio.gather(*tasks)
         else:
             queue = list(reversed(sessions))
